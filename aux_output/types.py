@@ -51,7 +51,7 @@ else:
 
     @dataclass
     class AuxRequestOutput:  # type: ignore[no-redef]
-        """Rows ``[n, L, K]`` (uint8/uint16) for token positions ``token_start .. token_start+n``."""
+        """Rows ``[n, L, K]`` (uint8/uint16) of positions ``token_start .. token_start + n``."""
 
         token_start: int
         rows: np.ndarray
