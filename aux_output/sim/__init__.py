@@ -1,0 +1,63 @@
+"""Trace-driven capture simulator (tests and benchmarks only; the library never imports it).
+
+* ``trace``: deterministic scenario generator (``make_trace``, ``random_trace``).
+* ``oracle``: routing oracle (rows depend only on the token prefix, position and layer).
+* ``kv``: KV-cache-manager double the scheduler connectors read.
+* ``engine``: the mini engine (``run_trace``) driving a scheduler connector and one worker
+  connector in vLLM 0.33.0's call order, with ground-truth checks.
+* ``workers``: vLLM 0.33.0's and r3capture's worker connectors built without a model.
+"""
+
+from r3capture.aux_output.sim.engine import (
+    SimEngine,
+    SimError,
+    SimResult,
+    SimStats,
+    StepRecord,
+    r3capture_scheduler,
+    run_trace,
+    vllm_scheduler,
+    worker_sizes,
+)
+from r3capture.aux_output.sim.oracle import RoutingOracle
+from r3capture.aux_output.sim.trace import (
+    SCENARIOS,
+    EngineConfig,
+    ModelSpec,
+    RequestSpec,
+    Trace,
+    make_trace,
+    random_trace,
+)
+from r3capture.aux_output.sim.workers import (
+    WorkerHandle,
+    WorkerSizes,
+    make_r3capture_worker,
+    make_vllm_worker,
+    r3capture_worker_factory,
+)
+
+__all__ = [
+    "SCENARIOS",
+    "EngineConfig",
+    "ModelSpec",
+    "RequestSpec",
+    "RoutingOracle",
+    "SimEngine",
+    "SimError",
+    "SimResult",
+    "SimStats",
+    "StepRecord",
+    "Trace",
+    "WorkerHandle",
+    "WorkerSizes",
+    "make_r3capture_worker",
+    "make_trace",
+    "make_vllm_worker",
+    "r3capture_scheduler",
+    "r3capture_worker_factory",
+    "random_trace",
+    "run_trace",
+    "vllm_scheduler",
+    "worker_sizes",
+]

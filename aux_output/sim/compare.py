@@ -1,0 +1,157 @@
+"""Differential helpers: run two connectors on the same inputs and report the first
+difference (scheduler calls compared call by call; worker runs compared step by step)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+from r3capture.aux_output.sim.engine import SimResult
+
+
+class ConnectorMismatch(AssertionError):
+    """Two connectors answered the same call differently."""
+
+
+def _packed(value: Any) -> tuple[bytes, int] | None:
+    return None if value is None else (bytes(value.data), int(value.item_size))
+
+
+def normalize_meta(meta: Any) -> tuple:
+    """Plain, order-preserving form of AuxOutputConnectorMetadata for equality checks."""
+    return (
+        int(meta.generation),
+        tuple((k, int(v)) for k, v in meta.requests.items()),
+        tuple((k, _packed(v)) for k, v in meta.block_hashes.items()),
+        tuple(meta.finished_requests),
+        _packed(meta.retained_block_hashes),
+        _packed(meta.released_block_hashes),
+    )
+
+
+def same_error(reference: BaseException | None, candidate: BaseException | None) -> bool:
+    """Both absent, or the same kind: equal class names (each package has its own
+    BlockObjectStoreError) or the candidate is an instance of the reference's class
+    (a protocol-error subclass of vLLM's AssertionError)."""
+    if reference is None or candidate is None:
+        return reference is candidate
+    return type(reference).__name__ == type(candidate).__name__ or isinstance(
+        candidate, type(reference)
+    )
+
+
+class TeeSchedulerConnector:
+    """Forwards every scheduler-connector call to ``primary`` (whose answer the engine
+    uses) and ``shadow``, and raises ConnectorMismatch when answers or errors differ."""
+
+    def __init__(self, primary: Any, shadow: Any) -> None:
+        self.primary = primary
+        self.shadow = shadow
+        self.calls: dict[str, int] = {}
+
+    def _both(self, name: str, args: tuple, normalize: Callable[[Any], Any] = lambda x: x) -> Any:
+        self.calls[name] = self.calls.get(name, 0) + 1
+        errors: list[BaseException | None] = []
+        results = []
+        for connector in (self.primary, self.shadow):
+            try:
+                results.append(getattr(connector, name)(*args))
+                errors.append(None)
+            except Exception as exc:  # noqa: BLE001 - compared below, then re-raised
+                results.append(None)
+                errors.append(exc)
+        if not same_error(errors[0], errors[1]):
+            raise ConnectorMismatch(f"{name}: errors differ: {errors[0]!r} vs {errors[1]!r}")
+        if errors[0] is not None:
+            raise errors[0]
+        left, right = normalize(results[0]), normalize(results[1])
+        if not _equal(left, right):
+            raise ConnectorMismatch(f"{name} #{self.calls[name]}: {left!r} != {right!r}")
+        return results[0]
+
+    def build_connector_meta(self, scheduler_output: Any, requests: Any) -> Any:
+        return self._both("build_connector_meta", (scheduler_output, requests), normalize_meta)
+
+    def max_cache_hit(self, request: Any) -> int:
+        return self._both("max_cache_hit", (request,))
+
+    def cap_external_hit(self, request: Any, num_local: int, num_external: int) -> int:
+        return self._both("cap_external_hit", (request, num_local, num_external))
+
+    def request_loading(self, request: Any, num_tokens: int) -> None:
+        self._both("request_loading", (request, num_tokens))
+
+    def take_output(self, request: Any, output: Any) -> np.ndarray | None:
+        return self._both("take_output", (request, output), _rows_key)
+
+    def request_finished(self, request: Any) -> None:
+        self._both("request_finished", (request,))
+
+    def reset(self) -> None:
+        self._both("reset", ())
+
+
+def _rows_key(rows: np.ndarray | None) -> Any:
+    if rows is None:
+        return None
+    return (rows.dtype.str, rows.shape, rows.tobytes())
+
+
+def _equal(a: Any, b: Any) -> bool:
+    return bool(a == b)
+
+
+def diff_results(reference: SimResult, candidate: SimResult) -> str | None:
+    """First difference between two runs of one trace (per-step worker outputs, then the
+    error: step, phase and kind), or None when they agree byte for byte."""
+    for a, b in zip(reference.steps, candidate.steps):
+        if a.req_ids != b.req_ids:
+            return f"step {a.index}: batches differ: {a.req_ids} vs {b.req_ids}"
+        if a.outputs.keys() != b.outputs.keys():
+            return (
+                f"step {a.index}: output requests differ: {sorted(a.outputs)} vs "
+                f"{sorted(b.outputs)}"
+            )
+        for req_id, left in a.outputs.items():
+            right = b.outputs[req_id]
+            if left[:3] != right[:3]:
+                return (
+                    f"step {a.index} {req_id}: (token_start, dtype, shape) "
+                    f"{left[:3]} vs {right[:3]}"
+                )
+            if left[3] != right[3]:
+                return f"step {a.index} {req_id}: rows differ (token_start {left[0]})"
+    if len(reference.steps) != len(candidate.steps):
+        return f"processed steps differ: {len(reference.steps)} vs {len(candidate.steps)}"
+    ra, rb = reference.error, candidate.error
+    if (ra is None) != (rb is None):
+        return f"errors differ: {ra and (ra.step, ra.phase, ra.exc)!r} vs {rb and (rb.step, rb.phase, rb.exc)!r}"
+    if ra is not None and rb is not None:
+        if (ra.step, ra.phase) != (rb.step, rb.phase) or not same_error(ra.exc, rb.exc):
+            return (
+                f"errors differ: step {ra.step} {ra.phase} {ra.kind}: {ra.exc} vs "
+                f"step {rb.step} {rb.phase} {rb.kind}: {rb.exc}"
+            )
+    return None
+
+
+def tee_factory(
+    primary: Callable[[Any, Any], Any], shadow: Callable[[Any, Any], Any]
+) -> Callable[[Any, Any], TeeSchedulerConnector]:
+    """Scheduler factory for ``run_trace`` that builds both connectors on the same KV
+    cache manager and compares them call by call."""
+    return lambda kv, kv_connector: TeeSchedulerConnector(
+        primary(kv, kv_connector), shadow(kv, kv_connector)
+    )
+
+
+__all__ = [
+    "ConnectorMismatch",
+    "TeeSchedulerConnector",
+    "diff_results",
+    "normalize_meta",
+    "same_error",
+    "tee_factory",
+]
