@@ -1,0 +1,20 @@
+"""Test-wide setup: the Triton interpreter on CPU-only machines, and the `gpu` marker."""
+
+import os
+
+import pytest
+import torch
+
+# Must precede the import of any module that defines @triton.jit kernels: triton.jit
+# decides at decoration time whether a kernel is compiled or interpreted.
+if not torch.cuda.is_available():
+    os.environ["TRITON_INTERPRET"] = "1"
+
+
+def pytest_collection_modifyitems(config, items):
+    if torch.cuda.is_available():
+        return
+    skip_gpu = pytest.mark.skip(reason="needs a CUDA GPU")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip_gpu)

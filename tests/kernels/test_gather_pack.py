@@ -1,0 +1,211 @@
+"""gather_pack: Triton kernel (interpreter on CPU) vs torch reference vs per-row expectation.
+
+Every output is poisoned first, so an unwritten row or a stray write fails byte-equality.
+"""
+
+from __future__ import annotations
+
+import ast
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from gather_pack_cases import (
+    DEST_SENTINEL,
+    INFO_SENTINEL,
+    QWEN3_30B,
+    Case,
+    Req,
+    assert_same_bytes,
+    build,
+    clone_args,
+    error_cases,
+    set_input,
+    special_cases,
+    standard_cases,
+)
+
+from r3capture.kernels import (
+    STATUS_BAD_ROWS,
+    Status,
+    can_write_host_directly,
+    gather_pack,
+    gather_pack_reference,
+)
+
+GP_MODULE = sys.modules["r3capture.kernels.gather_pack"]
+
+
+def run(impl: str, args: dict, copy: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+    if copy:
+        args = clone_args(args)
+    if impl == "reference":
+        gather_pack_reference(**args)
+    else:
+        gather_pack(**args, impl=impl)
+    return args["dest"], args["step_info"]
+
+
+def check_case(case: Case, seed: int = 0) -> dict:
+    built = build(case, seed=seed)
+    args = built["args"]
+    k_dest, k_info = run("triton", args)
+    r_dest, r_info = run("reference", args)
+    assert_same_bytes("reference dest vs expected", r_dest, built["expected_dest"])
+    assert_same_bytes("reference step_info vs expected", r_info, built["expected_info"])
+    assert_same_bytes("kernel dest vs reference", k_dest, r_dest)
+    assert_same_bytes("kernel step_info vs reference", k_info, r_info)
+    return built
+
+
+def written_elements(built: dict) -> int:
+    dest = built["args"]["dest"]
+    return int((built["expected_dest"] != DEST_SENTINEL[dest.dtype]).sum())
+
+
+@pytest.mark.parametrize("case", standard_cases() + special_cases(), ids=lambda c: c.id)
+def test_matches_reference_and_expected(case: Case) -> None:
+    built = check_case(case)
+    # The expectation itself must write exactly the accepted rows, each element once.
+    accepted = sum(q.rows - (q.rejected if case.with_rejected else 0) for q in case.reqs)
+    row_elems = case.model.num_layers * case.model.top_k
+    assert written_elements(built) == accepted * row_elems
+
+
+@pytest.mark.parametrize("case", error_cases(), ids=lambda c: c.id)
+def test_failing_request_writes_nothing(case: Case) -> None:
+    built = check_case(case)
+    assert built["expected_info"][: len(case.reqs), 2].tolist() == case.status
+    for r, status in enumerate(case.status):
+        assert (built["expected_info"][r, 1] == -1) == (status != 0)
+
+
+def test_decreasing_query_start_loc_flags_the_request_and_stays_in_its_slots() -> None:
+    # Rows of a request at a decrease in query_start_loc are ambiguous; the kernel flags it
+    # (the host fails the step) and must still write only inside slots the step owns.
+    case = Case("qsl-decreasing", QWEN3_30B, 16, [Req(3, 0), Req(3, 20), Req(3, 40)],
+                mutate=set_input("query_start_loc", 2, 2))  # fmt: skip
+    built = build(case)
+    for impl in ("triton", "reference"):
+        dest, info = run(impl, built["args"])
+        assert info[1].tolist() == [20, -1, STATUS_BAD_ROWS]
+        table = built["args"]["slot_table"]
+        untouched = torch.ones(dest.shape[0], dtype=torch.bool)
+        untouched[table[[0, 2]][table[[0, 2]] >= 0].long()] = False
+        sentinel = DEST_SENTINEL[dest.dtype]
+        assert bool((dest[untouched] == sentinel).all()), impl
+
+
+def test_statuses_are_the_contract_codes() -> None:
+    assert [int(s) for s in Status] == [0, 1, 2, 3]
+    assert [s.name for s in Status] == ["OK", "BAD_REJECTED", "BAD_BLOCK", "BAD_ROWS"]
+
+
+def test_info_rows_past_num_reqs_untouched() -> None:
+    built = check_case(Case("pad", QWEN3_30B, 16, [Req(2, 3)], pad_reqs=3))
+    assert bool((built["expected_info"][1:] == INFO_SENTINEL).all())
+
+
+def _valid_args() -> dict:
+    return build(Case("valid", QWEN3_30B, 16, [Req(5, 3, 1), Req(1, 40)]))["args"]
+
+
+def _replace(name: str, fn):
+    def edit(args: dict) -> None:
+        args[name] = fn(args[name])
+
+    return edit
+
+
+META = torch.device("meta")
+BAD_CALLS = {
+    "capture-2d": (_replace("capture", lambda t: t[:, 0]), "capture must be 3-D"),
+    "capture-float": (_replace("capture", lambda t: t.float()), "capture must be of dtype"),
+    "capture-int64": (_replace("capture", lambda t: t.long()), "capture must be of dtype"),
+    "capture-strided": (
+        _replace("capture", lambda t: t.transpose(1, 2).contiguous().transpose(1, 2)),
+        "capture must be contiguous",
+    ),
+    "dest-int32": (_replace("dest", lambda t: t.int()), "dest must be of dtype"),
+    "dest-wrong-LK": (_replace("dest", lambda t: t[:, :, :3]), "dest must be \\[S, B, 48, 8\\]"),
+    "dest-B0": (_replace("dest", lambda t: t[:, :0]), "positive block size"),
+    "dest-strided-rows": (_replace("dest", lambda t: t[:, ::2]), "dest must be contiguous"),
+    "dest-other-device": (_replace("dest", lambda t: t.to(META)), "dest must be on the capture"),
+    "qsl-2d": (_replace("query_start_loc", lambda t: t[None]), "query_start_loc must be 1-D"),
+    "qsl-int16": (_replace("query_start_loc", lambda t: t.short()), "query_start_loc must be of"),
+    "qsl-empty": (_replace("query_start_loc", lambda t: t[:0]), "query_start_loc must be of len"),
+    "qsl-device": (
+        _replace("query_start_loc", lambda t: t.to(META)),
+        "query_start_loc must be on the capture",
+    ),
+    "start-short": (_replace("start_pos", lambda t: t[:1]), "start_pos must be of length"),
+    "first-block-float": (_replace("first_block", lambda t: t.float()), "first_block must be of"),
+    "rejected-short": (_replace("num_rejected", lambda t: t[:1]), "num_rejected must be of len"),
+    "rejected-float": (_replace("num_rejected", lambda t: t.float()), "num_rejected must be of"),
+    "table-1d": (_replace("slot_table", lambda t: t[0]), "slot_table must be 2-D"),
+    "table-short": (_replace("slot_table", lambda t: t[:1]), "slot_table must be \\[R, M\\]"),
+    "table-col-strided": (
+        _replace("slot_table", lambda t: t.t().contiguous().t()),
+        "slot_table must be contiguous along dim 1",
+    ),
+    "info-int64": (_replace("step_info", lambda t: t.long()), "step_info must be of dtype"),
+    "info-4-cols": (
+        _replace("step_info", lambda t: torch.zeros(t.shape[0], 4, dtype=t.dtype)),
+        "step_info must be \\[R, 3\\]",
+    ),
+    "num-reqs-too-big": (
+        _replace("num_reqs", lambda v: 3),
+        "num_reqs must be an int in \\[0, 2\\]",
+    ),
+    "num-reqs-negative": (_replace("num_reqs", lambda v: -1), "num_reqs must be an int"),
+    "num-rows-past-capture": (_replace("num_rows", lambda v: 10**6), "num_rows must be an int"),
+    "num-rows-float": (_replace("num_rows", lambda v: 3.0), "num_rows must be an int"),
+    "capture-not-tensor": (_replace("capture", lambda t: t.numpy()), "capture must be a torch"),
+}
+
+
+@pytest.mark.parametrize("impl", ["triton", "reference"])
+@pytest.mark.parametrize("bad", list(BAD_CALLS), ids=str)
+def test_malformed_calls_raise_naming_the_argument(bad: str, impl: str) -> None:
+    edit, message = BAD_CALLS[bad]
+    args = clone_args(_valid_args())
+    edit(args)
+    with pytest.raises(ValueError, match=message):
+        run(impl, args, copy=False)  # a copy could make strided views contiguous
+
+
+def test_unknown_impl_is_rejected() -> None:
+    with pytest.raises(ValueError, match="impl must be"):
+        gather_pack(**_valid_args(), impl="cuda")
+
+
+def test_auto_picks_triton_under_interpreter_and_reference_without(monkeypatch) -> None:
+    calls = []
+    monkeypatch.setattr(GP_MODULE, "_launch", lambda *a: calls.append("triton"))
+    gather_pack(**clone_args(_valid_args()))
+    assert calls == ["triton"]
+    monkeypatch.setattr(GP_MODULE, "_interpreting", lambda: False)
+    args = clone_args(_valid_args())
+    gather_pack(**args)
+    assert calls == ["triton"]  # CPU tensors, no interpreter: the reference ran instead
+    assert args["step_info"][:, 2].tolist() == [0, 0]
+
+
+def test_triton_on_cpu_without_interpreter_is_a_clear_error(monkeypatch) -> None:
+    monkeypatch.setattr(GP_MODULE, "_interpreting", lambda: False)
+    with pytest.raises(ValueError, match="needs a CUDA capture or TRITON_INTERPRET=1"):
+        gather_pack(**clone_args(_valid_args()), impl="triton")
+
+
+def test_kernel_module_does_not_import_the_reference() -> None:
+    tree = ast.parse(Path(GP_MODULE.__file__).read_text())
+    top_level = [n for n in tree.body if isinstance(n, ast.Import | ast.ImportFrom)]
+    names = [getattr(n, "module", None) or n.names[0].name for n in top_level]
+    assert not any("reference" in name for name in names), names
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU-only answer")
+def test_no_direct_host_writes_without_cuda() -> None:
+    assert can_write_host_directly() is False
+    assert can_write_host_directly("cuda:0") is False
