@@ -1,0 +1,127 @@
+"""Ahead-of-time compilation of every kernel specialization r3capture launches.
+
+Compiles ttir -> ttgir -> llir -> ptx -> cubin for real GPU targets with no GPU and no
+libcuda (ptxas ships in the Triton wheel), which catches code that the Triton interpreter
+accepts but the GPU compiler rejects. Must run in a process where TRITON_INTERPRET is unset
+(under the interpreter ``@triton.jit`` yields interpreter functions, not compilable ones):
+
+    python -m r3capture.kernels.aot --arch 80 --arch 90 [--out DIR]
+
+prints one JSON object per (specialization, arch) and exits 1 if any compile failed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+from r3capture.kernels.gather_pack import _NUM_WARPS, _gather_pack_kernel, _tile_config
+
+_SIZE_ARGS = ("num_reqs", "row_limit", "num_slots", "table_width", "num_steps")
+_STRIDE_ARGS = ("stride_table_r", "stride_dest_s", "stride_info_r")
+
+
+@dataclass(frozen=True)
+class GatherPackSpec:
+    """One compiled variant of the gather-pack kernel, as the launcher would specialize it."""
+
+    name: str
+    num_layers: int
+    top_k: int
+    hash_block: int
+    capture: str = "i32"  # Triton element type of capture
+    dest: str = "u8"
+    index: str = "i32"  # query_start_loc, start_pos, first_block, slot_table, num_rejected
+    has_rejected: bool = True
+
+    def source(self) -> ASTSource:
+        fn = _gather_pack_kernel
+        signature = {
+            "capture_ptr": f"*{self.capture}",
+            "qsl_ptr": f"*{self.index}",
+            "start_ptr": f"*{self.index}",
+            "first_block_ptr": f"*{self.index}",
+            "table_ptr": f"*{self.index}",
+            "rejected_ptr": f"*{self.index}",
+            "dest_ptr": f"*{self.dest}",
+            "info_ptr": "*i32",
+        }
+        signature.update({name: "i32" for name in _SIZE_ARGS + _STRIDE_ARGS})
+        constexprs = {
+            "ROW_ELEMS": self.num_layers * self.top_k,
+            "HASH_BLOCK": self.hash_block,
+            "HAS_REJECTED": self.has_rejected,
+            **_tile_config(self.num_layers * self.top_k),
+        }
+        signature.update({name: "constexpr" for name in constexprs})
+        missing = set(fn.arg_names) - set(signature)
+        if missing:
+            raise AssertionError(f"AOT signature lacks kernel arguments {sorted(missing)}")
+        return ASTSource(fn=fn, signature=signature, constexprs=constexprs)
+
+
+GATHER_PACK_SPECS = (
+    GatherPackSpec("tiny-L1K1-B16-i32-u8", 1, 1, 16),
+    GatherPackSpec("qwen3-30b-a3b-48x8-B16-i32-u8", 48, 8, 16),
+    GatherPackSpec("qwen3-30b-a3b-48x8-B16-i32-u8-norej", 48, 8, 16, has_rejected=False),
+    GatherPackSpec("kimi-k2-61x8-B16-i32-u16", 61, 8, 16, dest="u16"),
+    GatherPackSpec("kimi-k2-61x8-B16-i32-u16-norej", 61, 8, 16, dest="u16", has_rejected=False),
+    GatherPackSpec("deepseek-v3-61x8-B32-i64idx-u8", 61, 8, 32, index="i64"),
+    GatherPackSpec("narrow-capture-36x4-B16-u16-u16", 36, 4, 16, capture="u16", dest="u16"),
+)
+
+
+def compile_spec(spec: GatherPackSpec, arch: int) -> dict:
+    """Compile one spec for sm_<arch>; returns a JSON-able record (cubin size, timing)."""
+    t0 = time.perf_counter()
+    kernel = triton.compile(
+        spec.source(), target=GPUTarget("cuda", arch, 32), options={"num_warps": _NUM_WARPS}
+    )
+    cubin = kernel.asm.get("cubin", b"")
+    return {
+        "kernel": "gather_pack",
+        "spec": spec.name,
+        "arch": f"sm_{arch}",
+        "cubin_bytes": len(cubin),
+        "ptx_bytes": len(kernel.asm.get("ptx", "")),
+        "shared_bytes": int(kernel.metadata.shared),
+        "seconds": round(time.perf_counter() - t0, 3),
+        "triton": triton.__version__,
+        "_cubin": cubin,
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--arch", type=int, action="append", help="SM version, e.g. 80, 90")
+    parser.add_argument("--out", type=Path, help="also write <spec>.sm_<arch>.cubin files here")
+    args = parser.parse_args(argv)
+    if triton.knobs.runtime.interpret:
+        print("aot: unset TRITON_INTERPRET: the interpreter's kernels cannot be compiled")
+        return 2
+    failed = 0
+    for arch in args.arch or [80, 90]:
+        for spec in GATHER_PACK_SPECS:
+            try:
+                record = compile_spec(spec, arch)
+            except Exception as exc:  # noqa: BLE001 - report every failing spec, then exit 1
+                failed += 1
+                record = {"spec": spec.name, "arch": f"sm_{arch}", "error": repr(exc)[:2000]}
+            cubin = record.pop("_cubin", b"")
+            if args.out is not None and cubin:
+                args.out.mkdir(parents=True, exist_ok=True)
+                (args.out / f"{spec.name}.{record['arch']}.cubin").write_bytes(cubin)
+            print(json.dumps(record), flush=True)
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,123 @@
+"""gather_pack compiled for a real GPU: device staging and pinned-host destinations.
+
+Same scenarios as test_gather_pack.py, on CUDA tensors; plus the properties only a GPU can
+show: direct stores into pinned host memory, no host synchronization, no allocation, and a
+launch that can be captured into and replayed from a CUDA graph.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from gather_pack_cases import (
+    QWEN3_30B,
+    Case,
+    Req,
+    assert_same_bytes,
+    build,
+    clone_args,
+    error_cases,
+    special_cases,
+    standard_cases,
+)
+
+from r3capture.kernels import can_write_host_directly, gather_pack, gather_pack_reference
+
+pytestmark = pytest.mark.gpu
+
+ALL_CASES = standard_cases() + special_cases() + error_cases()
+
+
+def _on_gpu(args: dict, dest_place: str) -> dict:
+    """Inputs on the GPU; dest and step_info on the GPU or in pinned host memory."""
+    out = {}
+    for name, value in args.items():
+        if not isinstance(value, torch.Tensor):
+            out[name] = value
+        elif name in ("dest", "step_info") and dest_place == "pinned":
+            out[name] = value.clone().pin_memory()
+        else:
+            out[name] = value.to("cuda")
+    return out
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _device_probe() -> None:
+    # Probing synchronizes once; do it before tests that forbid synchronization.
+    can_write_host_directly("cuda")
+
+
+def test_this_gpu_writes_pinned_host_memory_directly() -> None:
+    assert can_write_host_directly(torch.cuda.current_device()) is True
+    assert can_write_host_directly("cpu") is False
+
+
+@pytest.mark.parametrize("dest_place", ["device", "pinned"])
+@pytest.mark.parametrize("case", ALL_CASES, ids=lambda c: c.id)
+def test_matches_expected_on_gpu(case: Case, dest_place: str) -> None:
+    built = build(case)
+    args = _on_gpu(built["args"], dest_place)
+    gather_pack(**args)
+    torch.cuda.synchronize()
+    assert_same_bytes("kernel dest", args["dest"], built["expected_dest"])
+    assert_same_bytes("kernel step_info", args["step_info"], built["expected_info"])
+
+
+@pytest.mark.parametrize("dest_place", ["device", "pinned"])
+def test_reference_runs_on_gpu_tensors(dest_place: str) -> None:
+    case = Case("ref", QWEN3_30B, 16, [Req(40, 7, 2), Req(1, 3), Req(4, 20, 1)])
+    built = build(case)
+    args = _on_gpu(built["args"], dest_place)
+    gather_pack_reference(**args)
+    assert_same_bytes("reference dest", args["dest"], built["expected_dest"])
+    assert_same_bytes("reference step_info", args["step_info"], built["expected_info"])
+
+
+def _mixed_step() -> Case:
+    reqs = [Req(1, 17 * i + 3) for i in range(32)] + [Req(300, 45), Req(4, 99, 2)]
+    return Case("graph", QWEN3_30B, 16, reqs)
+
+
+@pytest.mark.parametrize("dest_place", ["device", "pinned"])
+def test_no_sync_and_no_allocation(dest_place: str) -> None:
+    args = _on_gpu(build(_mixed_step())["args"], dest_place)
+    gather_pack(**clone_args(args))  # compile outside the measured call
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    before = torch.cuda.memory_allocated()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        gather_pack(**args)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    torch.cuda.synchronize()
+    assert torch.cuda.max_memory_allocated() == before == torch.cuda.memory_allocated()
+
+
+@pytest.mark.parametrize("dest_place", ["device", "pinned"])
+def test_cuda_graph_capture_and_replay(dest_place: str) -> None:
+    case = _mixed_step()
+    args = _on_gpu(build(case, seed=1)["args"], dest_place)
+    gather_pack(**clone_args(args))  # compile before capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        gather_pack(**args)
+    for seed in (2, 3):
+        # New step contents written into the captured (static) tensors, then a replay.
+        fresh = build(case, seed=seed)
+        for name in ("capture", "num_rejected", "slot_table"):
+            args[name].copy_(fresh["args"][name])
+        args["dest"].copy_(fresh["args"]["dest"])
+        args["step_info"].copy_(fresh["args"]["step_info"])
+        graph.replay()
+        torch.cuda.synchronize()
+        assert_same_bytes(f"replay {seed} dest", args["dest"], fresh["expected_dest"])
+        assert_same_bytes(f"replay {seed} step_info", args["step_info"], fresh["expected_info"])
+
+
+def test_pageable_host_dest_is_rejected() -> None:
+    args = _on_gpu(build(_mixed_step())["args"], "device")
+    args["dest"] = args["dest"].cpu()  # pageable: the GPU cannot address it
+    with pytest.raises(ValueError, match="dest must be on the capture's device"):
+        gather_pack(**args)
