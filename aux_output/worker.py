@@ -30,7 +30,7 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -38,6 +38,7 @@ import torch
 
 from r3capture.aux_output import envs
 from r3capture.aux_output.errors import AuxOutputProtocolError, require
+from r3capture.aux_output.request_table import NO_CURSOR, RequestTable
 from r3capture.aux_output.types import AuxOutputConnectorMetadata, AuxRequestOutput, block_keys
 from r3capture.kernels import can_write_host_directly, gather_pack
 from r3capture.store import BlockStore
@@ -47,19 +48,6 @@ logger = logging.getLogger(__name__)
 _TORCH_DTYPES = {np.dtype(np.uint8): torch.uint8, np.dtype(np.uint16): torch.uint16}
 
 
-@dataclass
-class _Request:
-    keys: list[str] = field(default_factory=list)
-    # Store slots of unbound blocks base_block, base_block + 1, ...
-    slots: list[int] = field(default_factory=list)
-    base_block: int = 0
-    capture_cursor: int | None = None
-    scheduled_cursor: int = 0
-    emit_cursor: int = 0
-    pending_outputs: int = 0
-    finished: bool = False
-
-
 class PendingStep:
     """One step's rows in flight between ``prepare_output`` and ``process_output``."""
 
@@ -67,15 +55,21 @@ class PendingStep:
         self,
         worker: TritonAuxOutputWorker,
         request_ids: list[str],
+        rows: np.ndarray,
         token_starts: np.ndarray,
         query_start_loc: np.ndarray,
+        first_blocks: np.ndarray,
+        slot_table: np.ndarray,
         step_info: torch.Tensor | None,
         staging: _StagingCopy | None,
     ) -> None:
         self.worker = worker
         self.request_ids = request_ids
+        self.rows = rows  # int64 [R]: request-table rows
         self.token_starts = token_starts  # int64 [R]
         self.query_start_loc = query_start_loc  # int64 [R + 1]
+        self.first_blocks = first_blocks  # int64 [R]
+        self.slot_table = slot_table  # int32 [R, M]: store slot of block first_blocks[r] + j
         self.step_info_device = step_info  # int32 [R, 3] written by the kernel
         self.step_info: np.ndarray | None = None
         self.staging = staging
@@ -179,7 +173,7 @@ class TritonAuxOutputWorker:
             )
         self.capture_buffer = capture_buffer
 
-        self._requests: dict[str, _Request] = {}
+        self._requests = RequestTable()
         self._generation = 0
         self._step_metadata: AuxOutputConnectorMetadata | None = None
         self._pending: list[PendingStep] = []
@@ -269,6 +263,7 @@ class TritonAuxOutputWorker:
             metadata.generation >= self._generation,
             "auxiliary output metadata generation moved backwards",
         )
+        table = self._requests
         with self._lock:
             # Pins named by the scheduler belong to the namespace it had before any bump.
             retain_keys = block_keys(metadata.retained_block_hashes, self._generation)
@@ -279,37 +274,36 @@ class TritonAuxOutputWorker:
                     not self._pending,
                     "auxiliary output generation changed with output in flight",
                 )
-                for state in self._requests.values():
-                    release_keys.extend(reversed(state.keys))
-                    self._free_slots(state)
-                self._requests.clear()
+                for row in table.index.values():
+                    release_keys.extend(reversed(table.keys[row]))
+                self._free(table.clear())
                 self._generation = metadata.generation
-            for request_id, emit_start in metadata.requests.items():
-                state = self._requests.get(request_id)
-                if state is None:
-                    state = self._requests[request_id] = _Request(emit_cursor=emit_start)
-                elif state.pending_outputs == 0:
-                    # Only settled requests: in-flight steps lag the scheduler's view.
-                    require(
-                        emit_start <= state.emit_cursor,
-                        "auxiliary output Scheduler emit cursor moved ahead",
-                    )
-            updated: list[_Request] = []
+            if metadata.requests:
+                index = table.index
+                ids = list(metadata.requests)
+                rows = np.fromiter((index.get(r, -1) for r in ids), np.int64, len(ids))
+                for at in np.flatnonzero(rows < 0).tolist():
+                    rows[at] = table.add(ids[at], metadata.requests[ids[at]])
+                emit_starts = np.fromiter(metadata.requests.values(), np.int64, len(rows))
+                # Only settled requests: in-flight steps lag the scheduler's view.
+                ahead = (table.pending[rows] == 0) & (emit_starts > table.emit[rows])
+                require(not ahead.any(), "auxiliary output Scheduler emit cursor moved ahead")
+            updated: list[int] = []
             for request_id, hashes in metadata.block_hashes.items():
-                state = self._requests[request_id]
+                row = table.index[request_id]
                 keys = block_keys(hashes, self._generation)
-                state.keys.extend(keys)
+                table.add_keys(row, keys)
                 retain_keys.extend(keys)
-                updated.append(state)
+                updated.append(row)
             finished_now: list[str] = []
             for request_id in metadata.finished_requests:
-                state = self._requests[request_id]
-                state.finished = True
-                if state.pending_outputs:
+                row = table.index[request_id]
+                table.finished[row] = True
+                if table.pending[row]:
                     continue
                 finished_now.append(request_id)
-                release_keys.extend(reversed(state.keys))
-            self._publish(updated, retain_keys, release_keys)
+                release_keys.extend(reversed(table.keys[row]))
+            self._publish(np.asarray(updated, np.int64), retain_keys, release_keys)
             self._teardown(finished_now)
 
     def prepare_output(
@@ -342,14 +336,16 @@ class TritonAuxOutputWorker:
                 len(self._pending) < self._max_concurrent_batches,
                 "auxiliary output step outputs are not consumed in order",
             )
-            first_blocks, table = self._plan_slots(request_ids, qsl, token_starts)
+            rows = self._requests.rows(request_ids)
+            first_blocks, table = self._plan_slots(rows, qsl, token_starts)
             step_info, staging = self._launch(
                 num_reqs, num_rows, qsl, token_starts, first_blocks, table, num_rejected
             )
-            pending = PendingStep(self, request_ids, token_starts, qsl, step_info, staging)
+            pending = PendingStep(
+                self, request_ids, rows, token_starts, qsl, first_blocks, table, step_info, staging
+            )
             self._pending.append(pending)
-            for request_id in request_ids:
-                self._requests[request_id].pending_outputs += 1
+            self._requests.pending[rows] += 1
         return pending
 
     def process_output(self, pending: PendingStep) -> dict[str, AuxRequestOutput]:
@@ -357,21 +353,21 @@ class TritonAuxOutputWorker:
 
         Teardown that ``begin_step`` deferred for requests in this step happens here.
         """
+        table = self._requests
         with self._lock:
-            teardown: list[str] = []
-            release_keys: list[str] = []
             try:
                 outputs = self._commit(pending)
             finally:
                 self._pending.remove(pending)
-                for request_id in pending.request_ids:
-                    state = self._requests[request_id]
-                    state.pending_outputs -= 1
-                    if state.pending_outputs == 0 and state.finished:
-                        teardown.append(request_id)
-                        release_keys.extend(reversed(state.keys))
+                rows = pending.rows
+                table.pending[rows] -= 1
+                done = np.flatnonzero((table.pending[rows] == 0) & table.finished[rows])
+                teardown = [pending.request_ids[i] for i in done.tolist()]
+                release_keys: list[str] = []
+                for i in done.tolist():
+                    release_keys.extend(reversed(table.keys[int(rows[i])]))
             if teardown:
-                self._publish([], (), release_keys)
+                self._publish(np.empty(0, np.int64), (), release_keys)
                 self._teardown(teardown)
             return outputs
 
@@ -386,37 +382,41 @@ class TritonAuxOutputWorker:
 
     # ------------------------------------------------------------------ prepare internals
     def _plan_slots(
-        self, request_ids: Sequence[str], qsl: np.ndarray, token_starts: np.ndarray
+        self, rows: np.ndarray, qsl: np.ndarray, token_starts: np.ndarray
     ) -> tuple[np.ndarray, np.ndarray]:
         """Give every request slots for blocks ``token_start // B .. (token_end - 1) // B``.
 
-        Returns ``first_block [R]`` and ``slot_table [R, M]`` (int32, -1 = unmapped).
+        Returns ``first_block [R]`` (int64) and ``slot_table [R, M]`` (int32, -1 = unmapped).
         """
         B = self.block_size
-        num_reqs = len(request_ids)
+        table = self._requests
         firsts = token_starts // B
         lasts = (token_starts + np.diff(qsl) - 1) // B
-        states = [self._requests[request_id] for request_id in request_ids]
-        needed = 0
-        for state, first, last in zip(states, firsts.tolist(), lasts.tolist()):
-            if not state.slots and state.capture_cursor is None:
-                state.base_block = first
-            needed += max(0, last + 1 - state.base_block - len(state.slots))
-        fresh = self._store.allocate(needed).tolist() if needed else []
-        width = int((lasts - firsts).max()) + 1 if num_reqs else 0
-        table = np.full((num_reqs, max(width, 1)), -1, dtype=np.int32)
-        taken = 0
-        for row, (state, first, last) in enumerate(zip(states, firsts.tolist(), lasts.tolist())):
-            grow = last + 1 - state.base_block - len(state.slots)
-            if grow > 0:
-                state.slots.extend(fresh[taken : taken + grow])
-                taken += grow
-            # Blocks below base_block are bound; a start there is an error process_output names.
-            lo = max(first, state.base_block)
-            if last >= lo:
-                mapped = state.slots[lo - state.base_block : last + 1 - state.base_block]
-                table[row, lo - first : lo - first + len(mapped)] = mapped
-        return firsts, table
+        fresh = (table.cursor[rows] == NO_CURSOR) & (table.num_slots[rows] == 0)
+        table.base[rows[fresh]] = firsts[fresh]
+        need = lasts + 1 - table.base[rows] - table.num_slots[rows]
+        grow = np.flatnonzero(need > 0)
+        if grow.size:
+            fresh_slots = self._store.allocate(int(need[grow].sum())).tolist()
+            taken = 0
+            for i in grow.tolist():
+                count = int(need[i])
+                table.extend_slots(int(rows[i]), fresh_slots[taken : taken + count])
+                taken += count
+        num_reqs = len(rows)
+        width = int((lasts - firsts).max()) + 1 if num_reqs else 1
+        slot_table = np.full((num_reqs, max(width, 1)), -1, dtype=np.int32)
+        bases = table.base[rows]
+        # Decode-like requests write only into their last unbound block: no list work.
+        single = (lasts == firsts) & (lasts == bases + table.num_slots[rows] - 1)
+        slot_table[single, 0] = table.tail[rows[single]]
+        # Blocks below base are bound; a start there is an error process_output names.
+        lows = np.maximum(firsts, bases)
+        for i in np.flatnonzero(~single & (lasts >= lows)).tolist():
+            row, lo, base, first = int(rows[i]), int(lows[i]), int(bases[i]), int(firsts[i])
+            mapped = table.slots[row][lo - base : int(lasts[i]) + 1 - base]
+            slot_table[i, lo - first : lo - first + len(mapped)] = mapped
+        return firsts, slot_table
 
     def _launch(
         self,
@@ -449,11 +449,12 @@ class TritonAuxOutputWorker:
                 staging_table=staging_table,
                 arena_table=table,
             )
-            table = staging_table
+            kernel_table = staging_table
         else:
             dest = self._arena_rows_view()
+            kernel_table = table
         self._step_count += 1
-        slot_table = torch.from_numpy(table).to(device, non_blocking=True)
+        slot_table = torch.from_numpy(kernel_table).to(device, non_blocking=True)
         step_info = self._info_dev[:num_reqs]
         gather_pack(
             self.capture_buffer,
@@ -481,149 +482,165 @@ class TritonAuxOutputWorker:
         L, K = self.shape_per_token
         return self._store.arena_np.view(self.dtype).reshape(-1, L, K)
 
-    def _row_index(self, state: _Request, start: int, end: int) -> np.ndarray:
-        """Arena row indices of token positions ``start .. end`` of an unbound range."""
-        B = self.block_size
-        positions = np.arange(start, end, dtype=np.int64)
-        slots = np.asarray(state.slots, dtype=np.int64)[positions // B - state.base_block]
-        return slots * B + positions % B
-
     def _commit(self, pending: PendingStep) -> dict[str, AuxRequestOutput]:
         B = self.block_size
+        table = self._requests
         num_sampled, num_rejected = pending.num_sampled, pending.num_rejected
         require(
             num_sampled is not None and num_rejected is not None,
             "auxiliary output CPU copy was not enqueued",
         )
+        rows = pending.rows
+        num_reqs = len(rows)
+        if num_reqs == 0:
+            return {}
         if pending.staging is not None:
             self._unstage(pending)
-        info = pending.step_info
-        rows_np = self._arena_rows_np()
         qsl = pending.query_start_loc
-        emit_plan: list[tuple[str, int, int, _Request]] = []
-        materialize: list[tuple[str, int, int]] = []
-        touched: list[_Request] = []
-        for index, request_id in enumerate(pending.request_ids):
-            start, end = int(qsl[index]), int(qsl[index + 1])
-            num_tokens = end - start
-            require(num_tokens > 0, "auxiliary output request token count must be positive")
-            state = self._requests[request_id]
-            rejected = int(num_rejected[index])
-            require(
-                0 <= rejected <= num_tokens, "auxiliary output rejected-token count is invalid"
-            )
-            accepted = num_tokens - rejected
-            token_start = int(pending.token_starts[index])
-            capture_start = token_start
-            cursor = state.capture_cursor
-            if cursor is None:
-                cursor = capture_start
-            require(capture_start >= cursor, "auxiliary output capture moved backwards")
-            if capture_start > cursor:
-                # Reattach after an optimistically scheduled suffix was rejected.
-                require(
-                    cursor < state.scheduled_cursor,
+        num_tokens = np.diff(qsl)
+        rejected = np.asarray(num_rejected[:num_reqs], dtype=np.int64)
+        sampled = np.asarray(num_sampled[:num_reqs])
+        starts = pending.token_starts
+        had_cursor = table.cursor[rows] != NO_CURSOR
+        cursor = np.where(had_cursor, table.cursor[rows], starts)
+        reattach = starts > cursor
+        capture_starts = np.where(reattach, cursor, starts)
+        accepted = num_tokens - rejected
+        # The checks vLLM's connector makes per request, in its order: the first request
+        # that fails one names the error.
+        self._check_step(
+            pending.request_ids,
+            (
+                (num_tokens <= 0, "auxiliary output request token count must be positive"),
+                (
+                    (rejected < 0) | (rejected > num_tokens),
+                    "auxiliary output rejected-token count is invalid",
+                ),
+                (starts < cursor, "auxiliary output capture moved backwards"),
+                (
+                    reattach & (cursor >= table.scheduled[rows]),
                     "auxiliary output capture has an unbacked token gap",
-                )
-                capture_start = cursor
-            if state.capture_cursor is None and accepted and capture_start % B:
-                raise AuxOutputProtocolError(
-                    "auxiliary output capture is not contiguous: "
-                    f"request={request_id}, expected={capture_start // B * B}, "
-                    f"actual={capture_start}"
-                )
-            self._check_kernel(request_id, info, index, token_start, num_tokens, accepted)
-            if accepted and capture_start != token_start:
-                self._relocate(state, token_start, capture_start, accepted, rows_np)
-            emit_start = state.emit_cursor
-            token_end = capture_start + accepted
-            state.capture_cursor = token_end
-            state.scheduled_cursor = token_start + num_tokens
-            touched.append(state)
-            if num_sampled[index] > 0 and emit_start <= token_end:
-                if emit_start >= capture_start:
-                    emit_plan.append((request_id, emit_start, token_end, state))
-                    state.emit_cursor = token_end
-                else:
-                    materialize.append((request_id, emit_start, token_end))
+                ),
+                (
+                    ~had_cursor & (accepted > 0) & (capture_starts % B != 0),
+                    "auxiliary output capture is not contiguous: a request's first rows "
+                    "must start on a hash-block boundary",
+                ),
+            ),
+        )
+        self._check_kernel(pending, accepted)
+        rows_np = self._arena_rows_np()
+        moved = np.flatnonzero((accepted > 0) & (capture_starts != starts))
+        for i in moved.tolist():
+            # Rows were placed at the scheduler's optimistic start; they belong at the cursor.
+            row, count = int(rows[i]), int(accepted[i])
+            source = table.slot_rows(row, int(starts[i]), int(starts[i]) + count, B)
+            target = table.slot_rows(row, int(capture_starts[i]), int(capture_starts[i]) + count, B)
+            rows_np[target] = rows_np[source]
+        token_ends = capture_starts + accepted
+        emit_starts = table.emit[rows]
+        table.cursor[rows] = token_ends
+        table.scheduled[rows] = starts + num_tokens
+        emits = (sampled > 0) & (emit_starts <= token_ends)
+        direct = np.flatnonzero(emits & (emit_starts >= capture_starts))
+        materialize = np.flatnonzero(emits & (emit_starts < capture_starts))
+        table.emit[rows[direct]] = token_ends[direct]
 
         # Copy emitted rows out before any slot can be bound (and later reused).
-        outputs = self._emit(emit_plan, rows_np)
+        outputs = self._emit(pending, direct, emit_starts, token_ends, moved, rows_np)
         # Publish the whole step before materializing: a hit may need a block from it.
-        self._publish(touched, (), ())
-        for request_id, emit_start, token_end in materialize:
-            state = self._requests[request_id]
+        self._publish(rows, (), ())
+        for i in materialize.tolist():
+            row, emit_start, token_end = int(rows[i]), int(emit_starts[i]), int(token_ends[i])
+            request_id = pending.request_ids[i]
             outputs[request_id] = AuxRequestOutput(
-                emit_start, self._materialize(request_id, state, emit_start, token_end)
+                emit_start, self._materialize(request_id, row, emit_start, token_end)
             )
-            state.emit_cursor = token_end
+            table.emit[row] = token_end
         return outputs
 
-    def _check_kernel(
-        self,
-        request_id: str,
-        info: np.ndarray | None,
-        index: int,
-        token_start: int,
-        num_tokens: int,
-        accepted: int,
-    ) -> None:
+    @staticmethod
+    def _check_step(request_ids: Sequence[str], checks) -> None:
+        failed = [mask for mask, _ in checks]
+        if not np.logical_or.reduce(failed).any():
+            return
+        first = min(int(np.argmax(mask)) for mask in failed if mask.any())
+        for mask, message in checks:
+            if mask[first]:
+                raise AuxOutputProtocolError(f"{message}: request={request_ids[first]}")
+
+    def _check_kernel(self, pending: PendingStep, accepted: np.ndarray) -> None:
+        info = pending.step_info
         if info is None:
             return
-        start, written, status = (int(x) for x in info[index])
-        if status != 0 or start != token_start or written < accepted:
+        bad = (info[:, 2] != 0) | (info[:, 0] != pending.token_starts) | (info[:, 1] < accepted)
+        if bad.any():
+            i = int(np.argmax(bad))
+            start, written, status = (int(x) for x in info[i])
             raise AuxOutputProtocolError(
                 "auxiliary output rows were not placed by the capture kernel: "
-                f"request={request_id}, status={status}, start={start} (expected "
-                f"{token_start}), rows written={written} of {accepted} accepted "
-                f"({num_tokens} scheduled); the device rejected counts and the host's "
-                "must agree"
+                f"request={pending.request_ids[i]}, status={status}, start={start} "
+                f"(expected {int(pending.token_starts[i])}), rows written={written} of "
+                f"{int(accepted[i])} accepted; the device and host rejected counts must agree"
             )
 
-    def _relocate(
-        self, state: _Request, written_at: int, capture_start: int, count: int, rows_np: np.ndarray
-    ) -> None:
-        # Rows were placed at the scheduler's optimistic start; they belong at the cursor.
-        source = self._row_index(state, written_at, written_at + count)
-        target = self._row_index(state, capture_start, capture_start + count)
-        rows_np[target] = rows_np[source]
-
     def _emit(
-        self, plan: list[tuple[str, int, int, _Request]], rows_np: np.ndarray
+        self,
+        pending: PendingStep,
+        direct: np.ndarray,
+        emit_starts: np.ndarray,
+        token_ends: np.ndarray,
+        moved: np.ndarray,
+        rows_np: np.ndarray,
     ) -> dict[str, AuxRequestOutput]:
-        if not plan:
+        """Rows ``emit_start .. token_end`` of each ``direct`` request, in one gather."""
+        if direct.size == 0:
             return {}
         B = self.block_size
-        counts = [end - start for _, start, end, _ in plan]
-        index = np.empty(sum(counts), dtype=np.int64)
-        at = 0
-        for (_, start, end, state), count in zip(plan, counts):
-            if count == 1:
-                index[at] = state.slots[start // B - state.base_block] * B + start % B
-            elif count:
-                index[at : at + count] = self._row_index(state, start, end)
-            at += count
+        starts = emit_starts[direct]
+        counts = token_ends[direct] - starts
+        offsets = np.zeros(len(direct) + 1, np.int64)
+        np.cumsum(counts, out=offsets[1:])
+        owner = np.repeat(direct, counts)
+        position = np.arange(offsets[-1], dtype=np.int64) - np.repeat(offsets[:-1], counts)
+        position += emit_starts[owner]
+        column = position // B - pending.first_blocks[owner]
+        # Rows of a moved request may lie below its step's table: look those up by request.
+        unmoved = ~np.isin(owner, moved) if moved.size else slice(None)
+        index = np.empty(len(owner), np.int64)
+        index[unmoved] = (
+            pending.slot_table[owner[unmoved], column[unmoved]].astype(np.int64) * B
+            + position[unmoved] % B
+        )
+        if moved.size:
+            for j in np.flatnonzero(np.isin(direct, moved)).tolist():
+                i = int(direct[j])
+                index[offsets[j] : offsets[j + 1]] = self._requests.slot_rows(
+                    int(pending.rows[i]), int(starts[j]), int(token_ends[i]), B
+                )
         # One gather: the outputs own their memory, whatever happens to the slots later.
         emitted = rows_np[index]
-        outputs: dict[str, AuxRequestOutput] = {}
-        at = 0
-        for (request_id, start, _, _), count in zip(plan, counts):
-            outputs[request_id] = AuxRequestOutput(start, emitted[at : at + count])
-            at += count
-        return outputs
+        ids = pending.request_ids
+        return {
+            ids[i]: AuxRequestOutput(start, emitted[a:b])
+            for i, start, a, b in zip(
+                direct.tolist(), starts.tolist(), offsets[:-1].tolist(), offsets[1:].tolist()
+            )
+        }
 
     def _materialize(
-        self, request_id: str, state: _Request, emit_start: int, token_end: int
+        self, request_id: str, row: int, emit_start: int, token_end: int
     ) -> np.ndarray:
         """Rows ``emit_start .. token_end``: stored blocks, then the open block's rows."""
         B = self.block_size
         L, K = self.shape_per_token
-        stored_end = min(token_end // B, len(state.keys)) * B
+        keys = self._requests.keys[row]
+        stored_end = min(token_end // B, len(keys)) * B
         parts = []
         read_from = emit_start
         if emit_start < stored_end:
-            keys = state.keys[emit_start // B : stored_end // B]
-            blocks = self._store.get_array(keys).view(self.dtype).reshape(-1, L, K)
+            blocks = self._store.get_array(keys[emit_start // B : stored_end // B])
+            blocks = blocks.view(self.dtype).reshape(-1, L, K)
             local = emit_start % B
             parts.append(blocks[local : local + stored_end - emit_start])
             read_from = stored_end
@@ -636,7 +653,8 @@ class TritonAuxOutputWorker:
                     f"request={request_id}, range=[{read_from}, {token_end}), "
                     f"available=[{open_start}, {token_end if token_end % B else open_start})"
                 )
-            parts.append(self._arena_rows_np()[self._row_index(state, read_from, token_end)])
+            index = self._requests.slot_rows(row, read_from, token_end, B)
+            parts.append(self._arena_rows_np()[index])
         return parts[0].copy() if len(parts) == 1 else np.concatenate(parts)
 
     def _unstage(self, pending: PendingStep) -> None:
@@ -663,24 +681,20 @@ class TritonAuxOutputWorker:
 
     # ------------------------------------------------------------------ publication
     def _publish(
-        self, states: Iterable[_Request], retain_keys: Sequence[str], release_keys: Sequence[str]
+        self, rows: np.ndarray, retain_keys: Sequence[str], release_keys: Sequence[str]
     ) -> None:
-        """Bind every complete, keyed, unbound block of ``states`` in one store call."""
-        B = self.block_size
+        """Bind every complete, keyed, unbound block of ``rows`` in one store call."""
+        table = self._requests
         keys: list[str] = []
         slots: list[int] = []
-        for state in states:
-            cursor = state.capture_cursor
-            if cursor is None:
-                continue
-            ready_end = min(len(state.keys), cursor // B)
-            count = ready_end - state.base_block
-            if count <= 0:
-                continue
-            keys.extend(state.keys[state.base_block : ready_end])
-            slots.extend(state.slots[:count])
-            del state.slots[:count]
-            state.base_block = ready_end
+        if rows.size:
+            cursor = table.cursor[rows]
+            ready = np.minimum(table.num_keys[rows], cursor // self.block_size) - table.base[rows]
+            ready[cursor == NO_CURSOR] = 0
+            for i in np.flatnonzero(ready > 0).tolist():
+                bound_keys, bound_slots = table.take_bound(int(rows[i]), int(ready[i]))
+                keys.extend(bound_keys)
+                slots.extend(bound_slots)
         if keys or retain_keys or release_keys:
             self._store.bind(
                 keys,
@@ -689,11 +703,12 @@ class TritonAuxOutputWorker:
                 release_keys=release_keys,
             )
 
-    def _free_slots(self, state: _Request) -> None:
-        if state.slots:
-            self._store.free(np.asarray(state.slots, dtype=np.int64))
-            state.slots = []
+    def _free(self, slots: list[int]) -> None:
+        if slots:
+            self._store.free(np.asarray(slots, dtype=np.int64))
 
     def _teardown(self, request_ids: Iterable[str]) -> None:
+        slots: list[int] = []
         for request_id in request_ids:
-            self._free_slots(self._requests.pop(request_id))
+            slots.extend(self._requests.remove(request_id))
+        self._free(slots)
