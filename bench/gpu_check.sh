@@ -1,0 +1,54 @@
+#!/usr/bin/env bash
+# Everything r3capture checks on a GPU, in one run, results in one folder.
+#
+#   bash bench/gpu_check.sh [OUT_DIR]        (default bench/results/gpu)
+#
+# Made for the project's H200 image (python3.12, torch 2.11, triton 3.6.0, nvidia-ml-py,
+# pytest; no vLLM, no internet): installs r3capture offline from this checkout, runs the
+# gpu-marked tests, the kernel microbenchmark and the NVML memory profile. Each stage has
+# its own time limit so the whole run stays under 8 minutes; a failing stage does not stop
+# the later ones. Exit status: 0 when every stage passed.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT="${1:-bench/results/gpu}"
+PY="${PYTHON:-python3}"
+mkdir -p "$OUT"
+SUMMARY="$OUT/summary.txt"
+: > "$SUMMARY"
+status=0
+
+stage() {  # stage NAME LIMIT_SECONDS COMMAND...
+    local name="$1" limit="$2"
+    shift 2
+    local t0=$SECONDS
+    timeout "$limit" "$@" > "$OUT/$name.log" 2>&1
+    local rc=$?
+    local verdict=ok
+    if [ "$rc" -ne 0 ]; then verdict="FAILED (exit $rc)"; status=1; fi
+    echo "$name: $verdict in $((SECONDS - t0)) s" | tee -a "$SUMMARY"
+    return "$rc"
+}
+
+{
+    echo "date: $(date -u +%Y-%m-%dT%H:%M:%SZ)"
+    echo "git: $(git rev-parse HEAD 2>/dev/null || echo 'no .git in this copy')"
+    nvidia-smi --query-gpu=name,driver_version,memory.total,pcie.link.gen.max,pcie.link.width.max \
+        --format=csv 2>&1
+    "$PY" -c 'import sys, torch, triton; print("python", sys.version.split()[0], "torch",
+torch.__version__, "cuda", torch.version.cuda, "triton", triton.__version__)' 2>&1
+} > "$OUT/env.txt"
+cat "$OUT/env.txt"
+
+stage install 60 "$PY" -m pip install --no-deps --no-build-isolation --no-index -e . &&
+    stage imports 30 "$PY" -c 'import r3capture.kernels, r3capture.store, r3capture.aux_output
+from r3capture.kernels import can_write_host_directly
+print("direct host writes:", can_write_host_directly("cuda"))'
+# Other suites may need vLLM, which this image lacks; their collection errors must not hide
+# the gpu tests' own result, which the junit file and the log report per test.
+stage pytest_gpu 150 "$PY" -m pytest -m gpu -q -p no:cacheprovider --continue-on-collection-errors \
+    --junitxml="$OUT/pytest_gpu.xml" -rs
+stage kernel_bench 150 "$PY" -m bench.kernel_bench --out "$OUT"
+stage nvml_profile 80 "$PY" -m bench.nvml_profile --out "$OUT"
+
+tail -n 3 "$OUT/pytest_gpu.log" | sed 's/^/pytest: /' | tee -a "$SUMMARY"
+exit "$status"
