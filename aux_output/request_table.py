@@ -18,7 +18,9 @@ NO_CURSOR = -1
 class RequestTable:
     """Rows of request state; ``rows(ids)`` maps request ids to row indices."""
 
-    _INT_FIELDS = ("cursor", "scheduled", "emit", "pending", "base", "num_keys", "num_slots", "tail")
+    _INT_FIELDS = (
+        "cursor", "scheduled", "emit", "pending", "low", "base", "num_keys", "num_slots", "tail"
+    )
 
     def __init__(self, capacity: int = 64) -> None:
         self.index: dict[str, int] = {}
@@ -28,8 +30,10 @@ class RequestTable:
         self._capacity = 0
         # cursor: capture cursor (NO_CURSOR until the first capture); scheduled: end of the
         # last scheduled range; emit: emit cursor; pending: steps in flight covering the
-        # request; base: first unbound block; tail: slot of the last unbound block or -1.
+        # request; low: lowest position the latest prepared step can start at; base: first
+        # unbound block; tail: slot of the last unbound block or -1.
         self.cursor = self.scheduled = self.emit = self.pending = np.empty(0, np.int64)
+        self.low = np.empty(0, np.int64)
         self.base = self.num_keys = self.num_slots = self.tail = np.empty(0, np.int64)
         self.finished = np.empty(0, bool)
         self._grow(capacity)
@@ -58,7 +62,7 @@ class RequestTable:
         self.index[request_id] = row
         self.cursor[row] = NO_CURSOR
         self.emit[row] = emit_start
-        self.scheduled[row] = self.pending[row] = self.base[row] = 0
+        self.scheduled[row] = self.pending[row] = self.base[row] = self.low[row] = 0
         self.num_keys[row] = self.num_slots[row] = 0
         self.tail[row] = -1
         self.finished[row] = False

@@ -73,6 +73,8 @@ class PendingStep:
         self.step_info_device = step_info  # int32 [R, 3] written by the kernel
         self.step_info: np.ndarray | None = None
         self.staging = staging
+        # Rows were written at their true positions (device positions were given).
+        self.exact = False
         self.num_sampled: np.ndarray | None = None
         self.num_rejected: np.ndarray | None = None
 
@@ -196,23 +198,21 @@ class TritonAuxOutputWorker:
             pin_memory=self._destination == "direct" and self.device.type == "cuda",
             on_grow=self._wait_for_device_writes,
         )
-        self._staging_ring: list[torch.Tensor] = []
+        self._staging_device_ring: list[torch.Tensor] = []
         self._staging_host_ring: list[torch.Tensor] = []
-        if self._destination == "staging":
-            pin = self.device.type == "cuda"
-            for _ in range(max_concurrent_batches):
-                shape = (step_blocks, self.block_size, L, K)
-                torch_dtype = _TORCH_DTYPES[dtype]
-                self._staging_ring.append(torch.empty(shape, dtype=torch_dtype, device=self.device))
-                self._staging_host_ring.append(
-                    torch.empty(shape, dtype=torch_dtype, pin_memory=pin)
-                )
+        # A step's table spans its rows' blocks plus, for requests with a step in flight,
+        # the blocks a rejected suffix can leave between the cursor and the token start.
+        self._staging_blocks = max_concurrent_batches * step_blocks + max_num_seqs
         self._step_count = 0
         # Reused per-step device inputs (no per-step allocation on the device).
         self._qsl_dev = torch.zeros(max_num_seqs + 1, dtype=torch.int64, device=self.device)
         self._start_dev = torch.zeros(max_num_seqs, dtype=torch.int64, device=self.device)
         self._first_dev = torch.zeros(max_num_seqs, dtype=torch.int64, device=self.device)
-        self._info_dev = torch.zeros((max_num_seqs, 3), dtype=torch.int32, device=self.device)
+        # One step-info buffer per step in flight: a step's counts outlive the next launch.
+        self._info_ring = [
+            torch.zeros((max_num_seqs, 3), dtype=torch.int32, device=self.device)
+            for _ in range(max_concurrent_batches)
+        ]
         self._max_num_seqs = max_num_seqs
 
     # ------------------------------------------------------------------ setup helpers
@@ -228,6 +228,22 @@ class TritonAuxOutputWorker:
         if requested == "auto":
             return "direct" if direct_ok else "staging"
         return requested
+
+    def _staging_ring(self) -> list[torch.Tensor]:
+        """One device staging buffer per step in flight, allocated on first use."""
+        if not self._staging_device_ring:
+            L, K = self.shape_per_token
+            shape = (self._staging_blocks, self.block_size, L, K)
+            torch_dtype = _TORCH_DTYPES[self.dtype]
+            pin = self.device.type == "cuda"
+            for _ in range(self._max_concurrent_batches):
+                self._staging_device_ring.append(
+                    torch.empty(shape, dtype=torch_dtype, device=self.device)
+                )
+                self._staging_host_ring.append(
+                    torch.empty(shape, dtype=torch_dtype, pin_memory=pin)
+                )
+        return self._staging_device_ring
 
     def _wait_for_device_writes(self) -> None:
         # The store is about to copy its arena: kernels still writing the old one must finish.
@@ -337,13 +353,15 @@ class TritonAuxOutputWorker:
                 "auxiliary output step outputs are not consumed in order",
             )
             rows = self._requests.rows(request_ids)
-            first_blocks, table = self._plan_slots(rows, qsl, token_starts)
+            positions = self._row_positions(input_batch, num_rows)
+            first_blocks, table = self._plan_slots(rows, qsl, token_starts, positions is not None)
             step_info, staging = self._launch(
-                num_reqs, num_rows, qsl, token_starts, first_blocks, table, num_rejected
+                num_reqs, qsl, token_starts, positions, first_blocks, table, num_rejected
             )
             pending = PendingStep(
                 self, request_ids, rows, token_starts, qsl, first_blocks, table, step_info, staging
             )
+            pending.exact = positions is not None
             self._pending.append(pending)
             self._requests.pending[rows] += 1
         return pending
@@ -381,16 +399,40 @@ class TritonAuxOutputWorker:
                     self._store = None
 
     # ------------------------------------------------------------------ prepare internals
-    def _plan_slots(
-        self, rows: np.ndarray, qsl: np.ndarray, token_starts: np.ndarray
-    ) -> tuple[np.ndarray, np.ndarray]:
-        """Give every request slots for blocks ``token_start // B .. (token_end - 1) // B``.
+    def _row_positions(self, input_batch: Any, num_rows: int) -> torch.Tensor | None:
+        """The batch's device ``positions [>= num_rows]`` (int64), or None without them."""
+        positions = getattr(input_batch, "positions", None)
+        if not isinstance(positions, torch.Tensor) or positions.dim() != 1:
+            return None
+        if positions.shape[0] < num_rows:
+            raise ValueError(
+                f"input_batch.positions has {positions.shape[0]} rows, the step has {num_rows}"
+            )
+        if positions.device != self.device or positions.dtype != torch.int64:
+            positions = positions.to(self.device, torch.int64)
+        return positions
 
+    def _plan_slots(
+        self, rows: np.ndarray, qsl: np.ndarray, token_starts: np.ndarray, exact: bool
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """Give every request slots for the blocks its rows can land in.
+
+        With ``exact`` (the device knows each row's true position) a request whose earlier
+        step is still in flight may start below the scheduler's ``token_start`` (a rejected
+        speculative suffix); its table then reaches down to the lowest possible start.
         Returns ``first_block [R]`` (int64) and ``slot_table [R, M]`` (int32, -1 = unmapped).
         """
         B = self.block_size
         table = self._requests
-        firsts = token_starts // B
+        if exact:
+            cursor = table.cursor[rows]
+            settled = np.where(cursor != NO_CURSOR, np.minimum(token_starts, cursor), token_starts)
+            in_flight = np.minimum(token_starts, table.low[rows])
+            low = np.where(table.pending[rows] > 0, in_flight, settled)
+            table.low[rows] = low
+        else:
+            low = token_starts
+        firsts = low // B
         lasts = (token_starts + np.diff(qsl) - 1) // B
         fresh = (table.cursor[rows] == NO_CURSOR) & (table.num_slots[rows] == 0)
         table.base[rows[fresh]] = firsts[fresh]
@@ -421,9 +463,9 @@ class TritonAuxOutputWorker:
     def _launch(
         self,
         num_reqs: int,
-        num_rows: int,
         qsl: np.ndarray,
         token_starts: np.ndarray,
+        positions: torch.Tensor | None,
         first_blocks: np.ndarray,
         table: np.ndarray,
         num_rejected: torch.Tensor | None,
@@ -431,20 +473,28 @@ class TritonAuxOutputWorker:
         if num_reqs == 0:
             return None, None
         device = self.device
-        self._qsl_dev[: num_reqs + 1].copy_(torch.from_numpy(qsl), non_blocking=True)
-        self._start_dev[:num_reqs].copy_(torch.from_numpy(token_starts), non_blocking=True)
+        qsl_dev = self._qsl_dev[: num_reqs + 1]
+        qsl_dev.copy_(torch.from_numpy(qsl), non_blocking=True)
+        if positions is not None:
+            torch.index_select(positions, 0, qsl_dev[:-1], out=self._start_dev[:num_reqs])
+        else:
+            self._start_dev[:num_reqs].copy_(torch.from_numpy(token_starts), non_blocking=True)
         self._first_dev[:num_reqs].copy_(torch.from_numpy(first_blocks), non_blocking=True)
         staging = None
-        if self._destination == "staging":
-            ring = self._step_count % len(self._staging_ring)
+        # Without device positions rows land at the scheduler's start and a reattached
+        # request's rows move on the host: the next step's kernel must not write the arena
+        # before that happens, so such steps go through staging.
+        if self._destination == "staging" or positions is None:
+            ring = self._step_count % len(self._staging_ring())
             mapped = table >= 0
             num_blocks = int(mapped.sum())
             staging_table = np.full(table.shape, -1, dtype=np.int32)
             staging_table[mapped] = np.arange(num_blocks, dtype=np.int32)
-            dest = self._staging_ring[ring][:num_blocks]
+            device_ring, host_ring = self._staging_ring(), self._staging_host_ring
+            dest = device_ring[ring][:num_blocks]
             staging = _StagingCopy(
                 device=dest,
-                host=self._staging_host_ring[ring][:num_blocks],
+                host=host_ring[ring][:num_blocks],
                 first_blocks=first_blocks,
                 staging_table=staging_table,
                 arena_table=table,
@@ -453,9 +503,9 @@ class TritonAuxOutputWorker:
         else:
             dest = self._arena_rows_view()
             kernel_table = table
-        self._step_count += 1
         slot_table = torch.from_numpy(kernel_table).to(device, non_blocking=True)
-        step_info = self._info_dev[:num_reqs]
+        step_info = self._info_ring[self._step_count % len(self._info_ring)][:num_reqs]
+        self._step_count += 1
         gather_pack(
             self.capture_buffer,
             self._qsl_dev[: num_reqs + 1],
@@ -528,9 +578,12 @@ class TritonAuxOutputWorker:
                 ),
             ),
         )
-        self._check_kernel(pending, accepted)
+        self._check_kernel(pending, capture_starts if pending.exact else starts, accepted)
         rows_np = self._arena_rows_np()
-        moved = np.flatnonzero((accepted > 0) & (capture_starts != starts))
+        if pending.exact:
+            moved = np.empty(0, np.int64)
+        else:
+            moved = np.flatnonzero((accepted > 0) & (capture_starts != starts))
         for i in moved.tolist():
             # Rows were placed at the scheduler's optimistic start; they belong at the cursor.
             row, count = int(rows[i]), int(accepted[i])
@@ -569,18 +622,20 @@ class TritonAuxOutputWorker:
             if mask[first]:
                 raise AuxOutputProtocolError(f"{message}: request={request_ids[first]}")
 
-    def _check_kernel(self, pending: PendingStep, accepted: np.ndarray) -> None:
+    def _check_kernel(
+        self, pending: PendingStep, expected_starts: np.ndarray, accepted: np.ndarray
+    ) -> None:
         info = pending.step_info
         if info is None:
             return
-        bad = (info[:, 2] != 0) | (info[:, 0] != pending.token_starts) | (info[:, 1] < accepted)
+        bad = (info[:, 2] != 0) | (info[:, 0] != expected_starts) | (info[:, 1] < accepted)
         if bad.any():
             i = int(np.argmax(bad))
             start, written, status = (int(x) for x in info[i])
             raise AuxOutputProtocolError(
                 "auxiliary output rows were not placed by the capture kernel: "
                 f"request={pending.request_ids[i]}, status={status}, start={start} "
-                f"(expected {int(pending.token_starts[i])}), rows written={written} of "
+                f"(expected {int(expected_starts[i])}), rows written={written} of "
                 f"{int(accepted[i])} accepted; the device and host rejected counts must agree"
             )
 
@@ -671,7 +726,7 @@ class TritonAuxOutputWorker:
         L, K = self.shape_per_token
         request = np.repeat(np.arange(len(written)), written)
         offset = np.arange(total) - np.repeat(np.cumsum(written) - written, written)
-        position = pending.token_starts[request] + offset
+        position = info[request, 0].astype(np.int64) + offset
         column = position // B - staging.first_blocks[request]
         within = position % B
         source = staging.staging_table[request, column].astype(np.int64) * B + within
