@@ -51,6 +51,7 @@ import torch
 logger = logging.getLogger(__name__)
 
 _pin_noop_logged = False
+_UINT8 = np.dtype(np.uint8)
 
 
 class BlockObjectStoreError(RuntimeError):
@@ -333,9 +334,9 @@ class BlockStore:
     def _as_rows(self, array: np.ndarray, n: int, name: str = "blocks") -> np.ndarray:
         """``array`` as ``uint8 [n, object_nbytes]`` without copying."""
         arr = np.asarray(array)
-        if arr.dtype == np.uint8 and arr.shape == (n, self.object_nbytes):
-            if arr.flags.c_contiguous:
-                return arr
+        if arr.dtype is _UINT8 and arr.ndim > 1 and arr.shape[0] == n > 0:
+            if arr.flags.c_contiguous and arr.size == n * self.object_nbytes:
+                return arr.reshape(n, self.object_nbytes)
         if arr.dtype.hasobject or not arr.flags.c_contiguous:
             raise ValueError(f"{name}: expected a C-contiguous numeric array, got {arr.dtype}")
         expected = n * self.object_nbytes
