@@ -1,0 +1,9 @@
+"""r3capture benchmarks. Run one with ``python -m bench.run NAME`` (``all`` runs every one).
+
+A benchmark is a module with ``main(argv: list[str]) -> int`` that writes its rows with
+``bench.common.write_results``. Register it here by name.
+"""
+
+BENCHMARKS: dict[str, str] = {
+    "store": "bench.store_bench",
+}
