@@ -614,10 +614,10 @@ class TritonAuxOutputWorker:
 
     @staticmethod
     def _check_step(request_ids: Sequence[str], checks) -> None:
-        failed = [mask for mask, _ in checks]
-        if not np.logical_or.reduce(failed).any():
+        failed = [mask for mask, _ in checks if mask.any()]
+        if not failed:
             return
-        first = min(int(np.argmax(mask)) for mask in failed if mask.any())
+        first = min(int(np.argmax(mask)) for mask in failed)
         for mask, message in checks:
             if mask[first]:
                 raise AuxOutputProtocolError(f"{message}: request={request_ids[first]}")
@@ -654,21 +654,26 @@ class TritonAuxOutputWorker:
         B = self.block_size
         starts = emit_starts[direct]
         counts = token_ends[direct] - starts
-        offsets = np.zeros(len(direct) + 1, np.int64)
-        np.cumsum(counts, out=offsets[1:])
-        owner = np.repeat(direct, counts)
-        position = np.arange(offsets[-1], dtype=np.int64) - np.repeat(offsets[:-1], counts)
-        position += emit_starts[owner]
-        column = position // B - pending.first_blocks[owner]
-        # Rows of a moved request may lie below its step's table: look those up by request.
-        unmoved = ~np.isin(owner, moved) if moved.size else slice(None)
-        index = np.empty(len(owner), np.int64)
-        index[unmoved] = (
-            pending.slot_table[owner[unmoved], column[unmoved]].astype(np.int64) * B
-            + position[unmoved] % B
-        )
-        if moved.size:
-            for j in np.flatnonzero(np.isin(direct, moved)).tolist():
+        if moved.size == 0 and counts.min() == counts.max() == 1:
+            # Decode steps: one row per request, no per-row expansion needed.
+            column = starts // B - pending.first_blocks[direct]
+            index = pending.slot_table[direct, column].astype(np.int64) * B + starts % B
+            offsets = None
+        else:
+            offsets = np.zeros(len(direct) + 1, np.int64)
+            np.cumsum(counts, out=offsets[1:])
+            owner = np.repeat(direct, counts)
+            position = np.arange(offsets[-1], dtype=np.int64) - np.repeat(offsets[:-1], counts)
+            position += emit_starts[owner]
+            column = position // B - pending.first_blocks[owner]
+            # Rows of a moved request may lie below its step's table: look those up by request.
+            unmoved = ~np.isin(owner, moved) if moved.size else slice(None)
+            index = np.empty(len(owner), np.int64)
+            index[unmoved] = (
+                pending.slot_table[owner[unmoved], column[unmoved]].astype(np.int64) * B
+                + position[unmoved] % B
+            )
+            for j in np.flatnonzero(np.isin(direct, moved)).tolist() if moved.size else ():
                 i = int(direct[j])
                 index[offsets[j] : offsets[j + 1]] = self._requests.slot_rows(
                     int(pending.rows[i]), int(starts[j]), int(token_ends[i]), B
@@ -676,12 +681,13 @@ class TritonAuxOutputWorker:
         # One gather: the outputs own their memory, whatever happens to the slots later.
         emitted = rows_np[index]
         ids = pending.request_ids
-        return {
-            ids[i]: AuxRequestOutput(start, emitted[a:b])
-            for i, start, a, b in zip(
-                direct.tolist(), starts.tolist(), offsets[:-1].tolist(), offsets[1:].tolist()
-            )
-        }
+        names = ids if len(direct) == len(ids) else [ids[i] for i in direct.tolist()]
+        if counts.min() == counts.max():
+            # Every request emits the same number of rows: split with one reshape.
+            views = list(emitted.reshape(len(direct), int(counts[0]), *emitted.shape[1:]))
+        else:
+            views = [emitted[a:b] for a, b in zip(offsets[:-1].tolist(), offsets[1:].tolist())]
+        return dict(zip(names, map(AuxRequestOutput, starts.tolist(), views)))
 
     def _materialize(
         self, request_id: str, row: int, emit_start: int, token_end: int

@@ -50,11 +50,18 @@ class Step:
     timed: bool
 
     def input_batch(self) -> SimpleNamespace:
+        """What the model runner's InputBatch carries that a worker connector reads."""
+        import torch
+
+        counts = np.diff(self.query_start_loc)
+        first = np.repeat(self.num_computed.astype(np.int64) - self.query_start_loc[:-1], counts)
+        positions = np.arange(self.num_rows, dtype=np.int64) + first
         return SimpleNamespace(
             req_ids=self.req_ids,
             num_reqs=len(self.req_ids),
             query_start_loc_np=self.query_start_loc,
             num_computed_tokens_np=self.num_computed,
+            positions=torch.from_numpy(positions),
         )
 
     @property
