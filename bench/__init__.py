@@ -6,4 +6,7 @@ A benchmark is a module with ``main(argv: list[str]) -> int`` that writes its ro
 
 BENCHMARKS: dict[str, str] = {
     "store": "bench.store_bench",
+    "host_step": "bench.host_step_bench",
+    "kernel": "bench.kernel_bench",
+    "nvml": "bench.nvml_profile",
 }

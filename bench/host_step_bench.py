@@ -20,6 +20,7 @@ import time
 
 import numpy as np
 
+from bench.common import Result, make_result, write_results
 from bench.step_traces import KIMI_K2, PRESETS, QWEN3_30B_A3B, ModelShape, build_trace
 from r3capture.aux_output.sim.workers import WorkerSizes, make_r3capture_worker, make_vllm_worker
 
@@ -56,22 +57,35 @@ def _same(a: dict, b: dict) -> bool:
     return True
 
 
+def _drain_writer(handle) -> None:
+    """Wait for vLLM's background store writer (its store work happens off the step)."""
+    queue = getattr(getattr(handle.worker, "_store", None), "_queue", None)
+    if queue is not None:
+        queue.join()
+
+
 def _run_step(handle, step, torch_rows):
-    t0 = time.perf_counter_ns()
+    """Returns outputs, (wall ns, thread CPU ns) of begin+process, wall ns of prepare, and
+    wall ns of begin+process+writer drain."""
+    wall, cpu = time.perf_counter_ns, time.thread_time_ns
+    w0, c0 = wall(), cpu()
     handle.begin_step(step.metadata)
-    t1 = time.perf_counter_ns()
+    w1, c1 = wall(), cpu()
     if step.num_rows:
         handle.capture_buffer[: step.num_rows].copy_(torch_rows)
-    t2 = time.perf_counter_ns()
+    w2 = wall()
     pending = handle.prepare_output(step.input_batch(), step.num_rejected)
     pending.enqueue_cpu_copy(step.num_sampled, step.num_rejected)
-    t3 = time.perf_counter_ns()
+    w3, c3 = wall(), cpu()
     outputs = pending.process_output()
-    t4 = time.perf_counter_ns()
-    return outputs, (t1 - t0) + (t4 - t3), t3 - t2
+    w4, c4 = wall(), cpu()
+    _drain_writer(handle)
+    w5 = wall()
+    host = ((w1 - w0) + (w4 - w3), (c1 - c0) + (c4 - c3))
+    return outputs, host, w3 - w2, (w1 - w0) + (w5 - w3)
 
 
-def bench_preset(shape: ModelShape, preset: str, seed: int = 0) -> list[dict]:
+def bench_preset(shape: ModelShape, preset: str, seed: int = 0) -> list[Result]:
     import torch
 
     steps, max_tokens, max_seqs = build_trace(preset, shape, block_size=BLOCK_SIZE, seed=seed)
@@ -82,6 +96,7 @@ def bench_preset(shape: ModelShape, preset: str, seed: int = 0) -> list[dict]:
     }
     host = {name: [] for name in handles}
     prepare = {name: [] for name in handles}
+    drained = {name: [] for name in handles}
     identical = True
     row_bytes = shape.num_layers * shape.top_k * shape.dtype.itemsize
     vllm_bytes, our_bytes = [], []
@@ -93,15 +108,17 @@ def bench_preset(shape: ModelShape, preset: str, seed: int = 0) -> list[dict]:
             order = list(handles) if index % 2 == 0 else list(reversed(handles))
             results = {}
             for name in order:
-                outputs, host_ns, prep_ns = _run_step(handles[name], step, torch_rows)
+                outputs, host_ns, prep_ns, drained_ns = _run_step(handles[name], step, torch_rows)
                 results[name] = outputs
                 if step.timed:
-                    host[name].append(host_ns / 1e3)
-                    prepare[name].append(prep_ns / 1e3)
+                    host[name].append(host_ns)
+                    prepare[name].append(prep_ns)
+                    drained[name].append(drained_ns)
             identical &= _same(results["vllm-0.33.0"], results["r3capture"])
             if step.timed:
                 vllm_bytes.append(step.num_rows * row_bytes)
                 our_bytes.append(step.accepted_rows * row_bytes)
+            gc.collect(0)
     finally:
         if gc_was_enabled:
             gc.enable()
@@ -110,50 +127,89 @@ def bench_preset(shape: ModelShape, preset: str, seed: int = 0) -> list[dict]:
 
     rows = []
     for name in handles:
-        times = np.asarray(host[name])
-        prep = np.asarray(prepare[name])
+        samples = np.asarray(host[name], dtype=np.int64)
         rows.append(
-            {
-                "op": "host_step",
-                "preset": preset,
-                "shape": f"{shape.name} {shape.num_layers}x{shape.top_k}",
-                "dtype": shape.dtype.name,
-                "provider": name,
-                "unit": "us",
-                "p50": float(np.median(times)),
-                "p20": float(np.percentile(times, 20)),
-                "p80": float(np.percentile(times, 80)),
-                "p90": float(np.percentile(times, 90)),
-                "prepare_p50": float(np.median(prep)),
-                "steps": len(times),
-                "bytes_to_host_per_step": float(
+            make_result(
+                "host_step",
+                f"begin_step+process_output/{preset}",
+                [shape.num_layers, shape.top_k],
+                shape.dtype.name,
+                name,
+                samples,
+                preset=preset,
+                model=shape.name,
+                p90=float(np.percentile(samples[:, 0], 90)) / 1e3,
+                with_writer_drain_p50=float(np.median(drained[name])) / 1e3,
+                prepare_p50=float(np.median(prepare[name])) / 1e3,
+                steps=len(samples),
+                bytes_to_host_per_step=float(
                     np.mean(vllm_bytes if name.startswith("vllm") else our_bytes)
                 ),
-                "outputs_identical": bool(identical),
-            }
+                outputs_identical=bool(identical),
+            )
         )
+    theirs, ours = rows
     if identical:
-        ours, theirs = rows[1], rows[0]
-        ours["speedup_p50_vs_vllm"] = theirs["p50"] / ours["p50"]
-        ours["speedup_p90_vs_vllm"] = theirs["p90"] / ours["p90"]
+        ours.params["ratio_p50"] = theirs.p50 / ours.p50
+        ours.params["ratio_cpu_p50"] = theirs.params["cpu_p50"] / ours.params["cpu_p50"]
+        ours.params["ratio_p90"] = theirs.params["p90"] / ours.params["p90"]
+        ours.params["ratio_with_writer_p50"] = (
+            theirs.params["with_writer_drain_p50"] / ours.params["with_writer_drain_p50"]
+        )
     return rows
 
 
-def run(quick: bool = False) -> list[dict]:
+def _figure(results: list[Result]):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    models = sorted({r.params["model"] for r in results})
+    fig, axes = plt.subplots(1, len(models), figsize=(6 * len(models), 4), squeeze=False)
+    for ax, model in zip(axes[0], models):
+        rows = [r for r in results if r.params["model"] == model]
+        presets = [r.params["preset"] for r in rows if r.provider == "r3capture"]
+        x = np.arange(len(presets))
+        for offset, provider in ((-0.2, "vllm-0.33.0"), (0.2, "r3capture")):
+            values = [r.p50 for r in rows if r.provider == provider]
+            ax.bar(x + offset, values, width=0.4, label=provider)
+        for i, r in enumerate(r for r in rows if r.provider == "r3capture"):
+            if "ratio_p50" in r.params:
+                ax.annotate(
+                    f"{r.params['ratio_p50']:.1f}x",
+                    (i, r.p50),
+                    ha="center",
+                    va="bottom",
+                    fontsize=8,
+                )
+        ax.set_xticks(x, presets)
+        ax.set_yscale("log")
+        ax.set_ylabel("host us per step (begin_step + process_output), p50")
+        ax.set_title(f"{model}: ratio = vLLM 0.33.0 / r3capture")
+        ax.legend()
+    return fig
+
+
+def run(quick: bool = False) -> list[Result]:
     shapes = [QWEN3_30B_A3B] if quick else [QWEN3_30B_A3B, KIMI_K2]
     results = []
     for shape in shapes:
         for preset in PRESETS:
-            rows = bench_preset(shape, preset)
-            results.extend(rows)
-            ours = rows[1]
-            ratio = ours.get("speedup_p50_vs_vllm")
+            theirs, ours = bench_preset(shape, preset)
+            results.extend((theirs, ours))
+            ratio = ours.params.get("ratio_p50")
             print(
-                f"{shape.name:14s} {preset:12s} vllm p50 {rows[0]['p50']:9.1f} us  "
-                f"r3capture p50 {ours['p50']:8.1f} us  "
-                + (f"ratio {ratio:5.1f}x" if ratio else "OUTPUTS DIFFER: no ratio")
-                + f"  bytes/step {rows[0]['bytes_to_host_per_step']:.0f} -> "
-                f"{ours['bytes_to_host_per_step']:.0f}",
+                f"{shape.name:14s} {preset:12s} vllm p50 {theirs.p50:9.1f} us  "
+                f"r3capture p50 {ours.p50:8.1f} us  "
+                + (
+                    f"ratio {ratio:5.1f}x (cpu {ours.params['ratio_cpu_p50']:.1f}x, "
+                    f"with writer {ours.params['ratio_with_writer_p50']:.1f}x)"
+                    if ratio
+                    else "OUTPUTS DIFFER: no ratio"
+                )
+                + f"  bytes/step {theirs.params['bytes_to_host_per_step']:.0f} -> "
+                f"{ours.params['bytes_to_host_per_step']:.0f}",
                 flush=True,
             )
     return results
@@ -164,7 +220,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true", help="Qwen3 shape only")
     args = parser.parse_args(argv)
     results = run(quick=args.quick)
-    return 0 if all(r["outputs_identical"] for r in results) else 1
+    identical = all(r.params["outputs_identical"] for r in results)
+    write_results(
+        "host_step",
+        results,
+        figure=_figure(results),
+        extra={"note": "CPU-only run: prepare_output includes the torch reference kernel"},
+    )
+    return 0 if identical else 1
 
 
 if __name__ == "__main__":
