@@ -123,11 +123,13 @@ def diff_results(reference: SimResult, candidate: SimResult) -> str | None:
                 )
             if left[3] != right[3]:
                 return f"step {a.index} {req_id}: rows differ (token_start {left[0]})"
-    if len(reference.steps) != len(candidate.steps):
-        return f"processed steps differ: {len(reference.steps)} vs {len(candidate.steps)}"
     ra, rb = reference.error, candidate.error
+    if len(reference.steps) != len(candidate.steps) and (ra is None) == (rb is None):
+        return f"processed steps differ: {len(reference.steps)} vs {len(candidate.steps)}"
     if (ra is None) != (rb is None):
-        return f"errors differ: {ra and (ra.step, ra.phase, ra.exc)!r} vs {rb and (rb.step, rb.phase, rb.exc)!r}"
+        left = ra and (ra.step, ra.phase, ra.exc)
+        right = rb and (rb.step, rb.phase, rb.exc)
+        return f"errors differ: {left!r} vs {right!r}"
     if ra is not None and rb is not None:
         if (ra.step, ra.phase) != (rb.step, rb.phase) or not same_error(ra.exc, rb.exc):
             return (

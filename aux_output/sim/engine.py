@@ -127,6 +127,7 @@ class SimStats:
 
     steps: int = 0
     forward_steps: int = 0
+    partial_prefills: int = 0
     empty_steps: int = 0
     rows_scheduled: int = 0
     rows_accepted: int = 0
@@ -543,12 +544,16 @@ class SimEngine:
                         if external < found:
                             self.stats.external_hits_capped += 1
                     if cfg.async_kv_load and external > 0:
+                        # Reserve the rest of the request too: loads that each hold part
+                        # of their blocks could otherwise wait on each other forever.
+                        rest = request.num_tokens - local - external + k
                         if not kv.allocate_slots(
                             request,
                             0,
                             num_new_computed_tokens=local,
                             new_computed_blocks=hit_blocks,
                             num_external_computed_tokens=external,
+                            num_lookahead_tokens=rest,
                             delay_cache_blocks=True,
                         ):
                             break
@@ -682,6 +687,8 @@ class SimEngine:
             gpu.tokens.extend(new)
             sampled[req_id] = new
             num_sampled[i] = len(new)
+            if not new:
+                self.stats.partial_prefills += 1
             num_rejected[i] = rejected
             qsl[i + 1] = qsl[i] + n
         num_rows = int(qsl[-1])
