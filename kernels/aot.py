@@ -14,7 +14,10 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
+import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -76,11 +79,36 @@ GATHER_PACK_SPECS = (
     GatherPackSpec("kimi-k2-61x8-B16-i32-u16-norej", 61, 8, 16, dest="u16", has_rejected=False),
     GatherPackSpec("deepseek-v3-61x8-B32-i64idx-u8", 61, 8, 32, index="i64"),
     GatherPackSpec("narrow-capture-36x4-B16-u16-u16", 36, 4, 16, capture="u16", dest="u16"),
+    GatherPackSpec("mixtral-32x2-B16-i32-u8", 32, 2, 16),
 )
 
 
+def _ptxas_usage(ptx: str, arch: int) -> dict:
+    """Registers and spill bytes per thread, from the ptxas that ships with Triton."""
+    try:
+        from triton.backends.nvidia.compiler import get_ptxas
+
+        ptxas = get_ptxas(arch).path
+    except (ImportError, AttributeError, RuntimeError):
+        return {}
+    with tempfile.TemporaryDirectory() as tmp:
+        src = Path(tmp) / "kernel.ptx"
+        src.write_text(ptx)
+        # sm_90 kernels use sm_90a features, which ptxas only accepts under that name.
+        target = f"sm_{arch}a" if arch == 90 else f"sm_{arch}"
+        proc = subprocess.run(
+            [ptxas, f"-arch={target}", "-v", str(src), "-o", str(Path(tmp) / "k.cubin")],
+            capture_output=True, text=True,
+        )  # fmt: skip
+    regs = re.search(r"Used (\d+) registers", proc.stderr)
+    spills = re.findall(r"(\d+) bytes spill (?:stores|loads)", proc.stderr)
+    if proc.returncode != 0 or regs is None:
+        return {}
+    return {"registers": int(regs.group(1)), "spill_bytes": sum(int(x) for x in spills)}
+
+
 def compile_spec(spec: GatherPackSpec, arch: int) -> dict:
-    """Compile one spec for sm_<arch>; returns a JSON-able record (cubin size, timing)."""
+    """Compile one spec for sm_<arch>; returns a JSON-able record (cubin size, registers)."""
     t0 = time.perf_counter()
     kernel = triton.compile(
         spec.source(), target=GPUTarget("cuda", arch, 32), options={"num_warps": _NUM_WARPS}
@@ -93,6 +121,7 @@ def compile_spec(spec: GatherPackSpec, arch: int) -> dict:
         "cubin_bytes": len(cubin),
         "ptx_bytes": len(kernel.asm.get("ptx", "")),
         "shared_bytes": int(kernel.metadata.shared),
+        **_ptxas_usage(kernel.asm.get("ptx", ""), arch),
         "seconds": round(time.perf_counter() - t0, 3),
         "triton": triton.__version__,
         "_cubin": cubin,

@@ -229,7 +229,7 @@ def special_cases() -> list[Case]:
         Case("table-starts-early", QWEN3_30B, 16, [Req(30, 50)], first_block_back=2),
         Case("64req-varied", TINY, 16, many),
         # More table columns than one scan tile covers (row and request scans loop).
-        Case("tiny-B1-300cols", TINY, 1, [Req(300, 5, 2), Req(7, 1)]),
+        Case("tiny-B1-600cols", TINY, 1, [Req(600, 5, 2), Req(7, 1)]),
         Case("B12-not-pow2", QWEN3_30B, 12, [Req(50, 7, 1), Req(1, 11), Req(13, 36)]),
     ]
 
@@ -267,8 +267,8 @@ def error_cases() -> list[Case]:
         Case("rows-past-bound", QWEN3_30B, 16, three, num_rows=30, status=[0, 0, 3]),
         Case("rows-one-past-bound", QWEN3_30B, 16, three, num_rows=58, status=[0, 0, 3]),
         Case("rows-at-bound", QWEN3_30B, 16, three, num_rows=59),
-        Case("late-column-unmapped", TINY, 1, [Req(300, 5), Req(7, 1)],
-             mutate=set_input("slot_table", (0, 290), -1), status=[2, 0]),
+        Case("late-column-unmapped", TINY, 1, [Req(600, 5), Req(7, 1)],
+             mutate=set_input("slot_table", (0, 580), -1), status=[2, 0]),
         Case("mixed-failures", KIMI_K2, 32, [Req(1, 9), Req(4, 60, 5), Req(50, 3), Req(2, 1)],
              mutate=set_input("slot_table", (2, 0), -1), status=[0, 1, 2, 0]),
     ]  # fmt: skip

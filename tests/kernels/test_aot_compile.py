@@ -36,5 +36,7 @@ def test_every_specialization_compiles_to_a_cubin(tmp_path) -> None:
     assert {(r["spec"], r["arch"]) for r in records} == expected
     for r in records:
         assert r["cubin_bytes"] > 0, r
+        # A memory-bound kernel that spills registers has outgrown its tile sizes.
+        assert r.get("spill_bytes", 0) == 0, r
         cubin = (out / f"{r['spec']}.{r['arch']}.cubin").read_bytes()
         assert cubin[:4] == b"\x7fELF" and len(cubin) == r["cubin_bytes"], r["spec"]
