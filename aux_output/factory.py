@@ -1,0 +1,133 @@
+"""Build r3capture's worker connector inside vLLM's model runner.
+
+Called by the plugin's ``get_aux_output_connector`` when ``--aux-output-backend triton`` is
+selected. Sizing follows vLLM 0.33.0's ``AuxOutputWorkerConnector.__init__`` term by term,
+so both backends hold the same capture buffer and the same store capacity:
+
+* every TP rank builds vLLM's ``RoutedExpertsCapturer`` and binds it to the model's MoE
+  routers (the capture may all-gather across TP, so every rank must take part);
+* only the first TP rank owns the data plane (store, kernel launches, outputs);
+* block sizes come from ``resolve_kv_cache_block_sizes``; one store object is one hash block
+  of ``hash_block_size * L * K * itemsize`` bytes, and the default ``max_bytes`` is what the
+  KV cache can hold: ``num_blocks * (scheduler_block // hash_block) * block_nbytes``.
+
+The capturer's int32 device buffer ``[max_num_batched_tokens, L, K]`` becomes the worker's
+``capture_buffer``: the router hooks write there and r3capture's kernel reads from there, so
+no second buffer is allocated.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from r3capture.aux_output import compat
+
+logger = logging.getLogger("vllm.r3capture")
+
+if TYPE_CHECKING:
+    import torch
+
+    from r3capture.aux_output.worker import TritonAuxOutputWorker
+
+
+@dataclass(frozen=True)
+class WorkerSizing:
+    """The numbers vLLM's connector derives from its config (see the module docstring)."""
+
+    shape_per_token: tuple[int, int]  # (L, K)
+    dtype: np.dtype
+    hash_block_size: int
+    block_nbytes: int
+    max_bytes: int
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    max_concurrent_batches: int
+
+
+def worker_sizing(
+    vllm_config: Any,
+    *,
+    num_kv_blocks: int,
+    scheduler_block_size: int,
+    hash_block_size: int,
+    shape_per_token: tuple[int, int],
+    dtype: np.dtype | str,
+) -> WorkerSizing:
+    """Sizing of the worker from the config and the resolved KV-cache block sizes."""
+    dtype = np.dtype(dtype)
+    block_nbytes = hash_block_size * int(np.prod(shape_per_token)) * dtype.itemsize
+    max_bytes = vllm_config.aux_output_config.max_bytes
+    if max_bytes is None:
+        max_bytes = num_kv_blocks * (scheduler_block_size // hash_block_size) * block_nbytes
+    scheduler_config = vllm_config.scheduler_config
+    return WorkerSizing(
+        shape_per_token=tuple(int(x) for x in shape_per_token),
+        dtype=dtype,
+        hash_block_size=int(hash_block_size),
+        block_nbytes=int(block_nbytes),
+        max_bytes=int(max_bytes),
+        max_num_seqs=int(scheduler_config.max_num_seqs),
+        max_num_batched_tokens=int(scheduler_config.max_num_batched_tokens),
+        max_concurrent_batches=int(vllm_config.max_concurrent_batches),
+    )
+
+
+def build_worker(
+    vllm_config: Any, kv_cache_config: Any, model: torch.nn.Module
+) -> TritonAuxOutputWorker:
+    """r3capture's worker for this rank, bound to ``model``'s routers (see module docstring)."""
+    compat.require_supported_vllm("--aux-output-backend triton")
+    compat.backfill_connector_metadata()
+    from vllm.distributed.parallel_state import get_tp_group
+    from vllm.model_executor.layers.fused_moe.routed_experts_capturer import (
+        RoutedExpertsCapturer,
+        bind_routed_experts_capturer,
+    )
+    from vllm.v1.core.kv_cache_utils import resolve_kv_cache_block_sizes
+
+    from r3capture.aux_output.worker import TritonAuxOutputWorker
+
+    capturer = RoutedExpertsCapturer(
+        max_num_batched_tokens=vllm_config.scheduler_config.max_num_batched_tokens,
+        vllm_config=vllm_config,
+    )
+    bind_routed_experts_capturer(model, capturer)
+    scheduler_block_size, hash_block_size = resolve_kv_cache_block_sizes(
+        kv_cache_config, vllm_config
+    )
+    sizing = worker_sizing(
+        vllm_config,
+        num_kv_blocks=kv_cache_config.num_blocks,
+        scheduler_block_size=scheduler_block_size,
+        hash_block_size=hash_block_size,
+        shape_per_token=capturer.shape_per_token,
+        dtype=capturer.output_dtype_name,
+    )
+    is_output_rank = get_tp_group().is_first_rank
+    worker = TritonAuxOutputWorker(
+        shape_per_token=sizing.shape_per_token,
+        dtype=sizing.dtype,
+        hash_block_size=sizing.hash_block_size,
+        max_num_seqs=sizing.max_num_seqs,
+        max_num_batched_tokens=sizing.max_num_batched_tokens,
+        max_concurrent_batches=sizing.max_concurrent_batches,
+        max_bytes=sizing.max_bytes,
+        device=capturer.device_buffer.device,
+        capture_buffer=capturer.device_buffer,
+        is_output_rank=is_output_rank,
+    )
+    logger.info(
+        "r3capture: triton aux-output backend: rows %s %s, hash block %d tokens, store %d bytes "
+        "(%d blocks), %s",
+        sizing.shape_per_token,
+        sizing.dtype,
+        sizing.hash_block_size,
+        sizing.max_bytes,
+        sizing.max_bytes // sizing.block_nbytes,
+        "output rank" if is_output_rank else "capture only (not the first TP rank)",
+    )
+    return worker

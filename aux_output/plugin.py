@@ -1,0 +1,293 @@
+"""vLLM plugin: ``--aux-output-backend {torch,triton}`` for routed-experts (R3) capture.
+
+``register()`` is r3capture's ``vllm.general_plugins`` entry point. vLLM calls it in every
+process it starts (API server, engine core, each worker), possibly several times, so it is
+idempotent and cheap: it imports only ``vllm.engine.arg_utils`` (already imported wherever
+vLLM loads plugins) and defers the model-runner hooks until vLLM imports the model runner.
+
+What it installs:
+
+* **The flag** (API process). ``EngineArgs.add_cli_args`` gains ``--aux-output-backend``
+  and ``EngineArgs.from_cli_args`` folds its value into ``additional_config`` under
+  ``"aux_output_backend"`` (``AuxOutputConfig`` forbids extra keys, and ``additional_config``
+  travels with ``VllmConfig`` to every worker). In vLLM 0.32.x and 0.33.x,
+  ``AsyncEngineArgs.add_cli_args`` loads the general plugins *before* it adds the engine
+  arguments, and every parser built after that sees the flag: ``vllm serve``, the OpenAI
+  api_server module, ``run-batch``, the gRPC server, and, because the ``vllm`` CLI builds the
+  ``serve`` parser before the others, every ``vllm`` subcommand (``vllm bench latency``,
+  ``vllm preload``, ...). A script of one's own that calls ``EngineArgs.add_cli_args``
+  before any plugin has loaded (``python -m vllm.benchmarks.latency``) does not get the flag;
+  there, and from Python, use ``--additional-config '{"aux_output_backend": "triton"}'`` /
+  ``LLM(..., additional_config={"aux_output_backend": "triton"})``.
+* **The check** (wherever a ``VllmConfig`` is built from engine arguments):
+  ``EngineArgs.create_engine_config`` refuses an unknown backend, ``triton`` on a vLLM
+  outside the supported range, and ``triton`` without ``--enable-return-routed-experts``.
+  The last one is an error, not a warning: the flag only selects how routed experts are
+  captured, so asking for a capture backend with capture off is a misconfiguration that a
+  trainer would otherwise only notice as missing ``routed_experts``.
+* **The backend** (workers; only on a supported vLLM, both hooks or neither). When vLLM
+  imports its Model Runner V2 module, the module-level ``get_aux_output_connector`` is
+  wrapped to build r3capture's worker (``factory.build_worker``) when ``triton`` is selected
+  and vLLM's own otherwise, and ``GPUModelRunner.sample`` is wrapped to hand the step's
+  device ``num_rejected`` to a worker that accepts it (``set_step_num_rejected``), so that
+  the kernel skips rejected speculative rows on the device.
+
+With ``torch`` (the default) vLLM runs exactly its own code: no ``additional_config`` key is
+added and the wrappers call straight through.
+"""
+
+from __future__ import annotations
+
+import importlib.abc
+import logging
+import sys
+from collections.abc import Callable
+from types import ModuleType
+from typing import Any
+
+from r3capture.aux_output import compat
+
+# A child of vLLM's logger: the plugin runs only inside vLLM, whose handlers and
+# VLLM_LOGGING_LEVEL then apply to its messages too.
+logger = logging.getLogger("vllm.r3capture")
+
+BACKEND_KEY = "aux_output_backend"
+BACKENDS = ("torch", "triton")
+DEFAULT_BACKEND = "torch"
+_FLAG = "--aux-output-backend"
+# Marks a wrapper as ours, so a second register() (or a second plugin loader) never wraps twice.
+_WRAPPED = "__r3capture_wrapped__"
+
+_registered = False
+
+
+def register() -> None:
+    """Install the flag, the config check and (on a supported vLLM) the worker backend."""
+    global _registered
+    if _registered:
+        return
+    _registered = True
+    _run_after_import(compat.ENGINE_ARGS_MODULE, _patch_engine_args)
+    version = compat.vllm_version()
+    if version is None or not compat.is_supported_vllm_version(version):
+        # Selecting triton is refused by the config check; the torch backend is untouched.
+        logger.warning(
+            "r3capture: vLLM %s is outside the supported range %s; only "
+            "--aux-output-backend torch (vLLM's own backend) is available",
+            version,
+            ",".join(compat.SUPPORTED_VLLM),
+        )
+        return
+    _run_after_import(compat.MODEL_RUNNER_MODULE, _patch_model_runner)
+
+
+# ---------------------------------------------------------------- backend selection
+def selected_backend(vllm_config: Any) -> str:
+    """The aux-output backend a ``VllmConfig`` selects (``"torch"`` when none is set)."""
+    additional = getattr(vllm_config, "additional_config", None)
+    if not isinstance(additional, dict):
+        return DEFAULT_BACKEND
+    return additional.get(BACKEND_KEY, DEFAULT_BACKEND)
+
+
+def check_backend(vllm_config: Any) -> str:
+    """Validate the backend selection of a ``VllmConfig``; return the backend.
+
+    Raises ``ValueError`` for an unknown backend or ``triton`` with routed-experts capture
+    off, and ``compat.UnsupportedVLLMError`` for ``triton`` on an unsupported vLLM.
+    """
+    backend = selected_backend(vllm_config)
+    if backend not in BACKENDS:
+        raise ValueError(
+            f"{BACKEND_KEY}={backend!r} is not one of {BACKENDS} "
+            f"(set by {_FLAG} or additional_config[{BACKEND_KEY!r}])"
+        )
+    if backend == DEFAULT_BACKEND:
+        return backend
+    compat.require_supported_vllm(f"{_FLAG} {backend}")
+    aux_config = getattr(vllm_config, "aux_output_config", None)
+    if not getattr(aux_config, "enable_return_routed_experts", False):
+        raise ValueError(
+            f"{_FLAG} {backend} selects how routed experts are captured, but routed-experts "
+            "capture is off: add --enable-return-routed-experts (Python: "
+            "enable_return_routed_experts=True), or drop the backend selection"
+        )
+    return backend
+
+
+def _with_backend(additional_config: Any, backend: str) -> dict[str, Any]:
+    if additional_config is None:
+        additional_config = {}
+    if not isinstance(additional_config, dict):
+        raise ValueError(
+            f"{_FLAG} needs additional_config to be a dict, got {type(additional_config).__name__}"
+        )
+    previous = additional_config.get(BACKEND_KEY, backend)
+    if previous != backend:
+        raise ValueError(
+            f"{_FLAG} {backend} conflicts with additional_config[{BACKEND_KEY!r}]={previous!r}"
+        )
+    return {**additional_config, BACKEND_KEY: backend}
+
+
+# ---------------------------------------------------------------- engine arguments
+def _patch_engine_args(module: ModuleType) -> None:
+    EngineArgs = module.EngineArgs
+    add_cli_args = EngineArgs.__dict__.get("add_cli_args")
+    from_cli_args = EngineArgs.__dict__.get("from_cli_args")
+    create_engine_config = EngineArgs.__dict__.get("create_engine_config")
+    if not (
+        isinstance(add_cli_args, staticmethod)
+        and isinstance(from_cli_args, classmethod)
+        and callable(create_engine_config)
+    ):
+        logger.warning(
+            "r3capture: this vLLM's EngineArgs has an unexpected shape; %s is not installed",
+            _FLAG,
+        )
+        return
+    if getattr(create_engine_config, _WRAPPED, False):
+        return
+    original_add = add_cli_args.__func__
+    original_from = from_cli_args.__func__
+
+    def add_cli_args_with_backend(parser, *args, **kwargs):
+        parser = original_add(parser, *args, **kwargs)
+        _add_backend_flag(parser)
+        return parser
+
+    def from_cli_args_with_backend(cls, args, *rest, **kwargs):
+        engine_args = original_from(cls, args, *rest, **kwargs)
+        backend = getattr(args, BACKEND_KEY, None)
+        if backend is not None:
+            engine_args.additional_config = _with_backend(engine_args.additional_config, backend)
+        return engine_args
+
+    def create_engine_config_checked(self, *args, **kwargs):
+        vllm_config = create_engine_config(self, *args, **kwargs)
+        check_backend(vllm_config)
+        return vllm_config
+
+    for wrapper, original in (
+        (add_cli_args_with_backend, original_add),
+        (from_cli_args_with_backend, original_from),
+        (create_engine_config_checked, create_engine_config),
+    ):
+        wrapper.__wrapped__ = original
+        wrapper.__doc__ = original.__doc__
+        setattr(wrapper, _WRAPPED, True)
+    EngineArgs.add_cli_args = staticmethod(add_cli_args_with_backend)
+    EngineArgs.from_cli_args = classmethod(from_cli_args_with_backend)
+    EngineArgs.create_engine_config = create_engine_config_checked
+
+
+def _add_backend_flag(parser) -> None:
+    if _FLAG in getattr(parser, "_option_string_actions", {}):
+        return
+    # Put the flag beside --enable-return-routed-experts in --help when that group exists.
+    group = parser
+    anchor = parser._option_string_actions.get("--enable-return-routed-experts")
+    for candidate in getattr(parser, "_action_groups", ()):
+        if anchor is not None and anchor in candidate._group_actions:
+            group = candidate
+            break
+    group.add_argument(
+        _FLAG,
+        choices=BACKENDS,
+        default=None,
+        help=(
+            "Routed-experts (R3) capture backend, from the r3capture plugin. 'torch' (default): "
+            "vLLM's own; 'triton': r3capture's Triton data path (accepted rows only cross to "
+            "the host, block-aligned store). Needs --enable-return-routed-experts. Same as "
+            f'--additional-config \'{{"{BACKEND_KEY}": "triton"}}\'.'
+        ),
+    )
+
+
+# ---------------------------------------------------------------- model runner hooks
+def _patch_model_runner(module: ModuleType) -> None:
+    runner_cls = getattr(module, compat.MODEL_RUNNER_CLASS, None)
+    original_factory = getattr(module, compat.CONNECTOR_FACTORY_NAME, None)
+    original_sample = getattr(runner_cls, compat.SAMPLE_METHOD, None)
+    if original_factory is None or original_sample is None:
+        # A vLLM that reports a supported version must have both; refuse rather than run
+        # --aux-output-backend triton silently on vLLM's backend.
+        raise compat.UnsupportedVLLMError(
+            f"r3capture: {module.__name__} has no {compat.CONNECTOR_FACTORY_NAME} or "
+            f"{compat.MODEL_RUNNER_CLASS}.{compat.SAMPLE_METHOD}; this vLLM build "
+            f"({compat.vllm_version()}) is not one r3capture supports"
+        )
+    if getattr(original_factory, _WRAPPED, False):
+        return
+
+    def get_aux_output_connector(model, vllm_config, kv_cache_config):
+        if check_backend(vllm_config) == "triton":
+            from r3capture.aux_output.factory import build_worker
+
+            return build_worker(vllm_config, kv_cache_config, model)
+        return original_factory(model, vllm_config, kv_cache_config)
+
+    def sample(self, *args, **kwargs):
+        result = original_sample(self, *args, **kwargs)
+        # The device counts exist only here, before sample_tokens calls prepare_output;
+        # vLLM's own connector has no such method and is left alone.
+        hand_over = getattr(self.aux_output_connector, "set_step_num_rejected", None)
+        if hand_over is not None:
+            hand_over(result[compat.SAMPLE_NUM_REJECTED_INDEX])
+        return result
+
+    for wrapper, original in (
+        (get_aux_output_connector, original_factory),
+        (sample, original_sample),
+    ):
+        wrapper.__wrapped__ = original
+        wrapper.__doc__ = original.__doc__
+        setattr(wrapper, _WRAPPED, True)
+    setattr(module, compat.CONNECTOR_FACTORY_NAME, get_aux_output_connector)
+    setattr(runner_cls, compat.SAMPLE_METHOD, sample)
+
+
+class _AfterImport(importlib.abc.MetaPathFinder):
+    """Runs ``callback(module)`` right after ``name`` is executed, then removes itself."""
+
+    def __init__(self, name: str, callback: Callable[[ModuleType], None]) -> None:
+        self.name = name
+        self.callback = callback
+
+    def find_spec(self, fullname, path, target=None):
+        if fullname != self.name:
+            return None
+        spec = None
+        for finder in sys.meta_path:
+            if finder is self or not hasattr(finder, "find_spec"):
+                continue
+            spec = finder.find_spec(fullname, path, target)
+            if spec is not None:
+                break
+        if spec is None or spec.loader is None or not hasattr(spec.loader, "exec_module"):
+            return None
+        exec_module = spec.loader.exec_module
+
+        def exec_then_patch(module: ModuleType) -> None:
+            exec_module(module)
+            self.remove()
+            self.callback(module)
+
+        # Each module spec has its own loader instance, so this touches only this import.
+        spec.loader.exec_module = exec_then_patch
+        return spec
+
+    def remove(self) -> None:
+        if self in sys.meta_path:
+            sys.meta_path.remove(self)
+
+
+def _run_after_import(name: str, callback: Callable[[ModuleType], None]) -> None:
+    module = sys.modules.get(name)
+    if module is not None:
+        callback(module)
+        return
+    # Importing the module here instead would pull the model runner (torch, Triton, the
+    # runner) into the API server and the engine arguments into every worker.
+    if not any(isinstance(f, _AfterImport) and f.name == name for f in sys.meta_path):
+        sys.meta_path.insert(0, _AfterImport(name, callback))
