@@ -139,6 +139,8 @@ class SimStats:
     preemptions: int = 0
     stale_outputs: int = 0
     prefix_hit_tokens: int = 0
+    same_step_hit_blocks: int = 0
+    in_flight_hit_blocks: int = 0
     external_hit_tokens: int = 0
     external_hits_capped: int = 0
     async_loads: int = 0
@@ -323,6 +325,7 @@ class SimEngine:
         self.step_index = 0
         self.terminal_pending = False
         self._unarrived = {spec.req_id: spec for spec in trace.requests}
+        self._processed_step = -1
         self._finished_at: dict[str, int] = {}
         self._executor = (
             concurrent.futures.ThreadPoolExecutor(1, "sim-output") if threaded else None
@@ -459,6 +462,7 @@ class SimEngine:
     def _schedule(self) -> _Scheduled:
         cfg = self.cfg
         kv = self.kv
+        kv.block_pool.now = self.step_index
         k = cfg.num_spec_tokens
         budget = cfg.max_num_batched_tokens
         num_scheduled: dict[str, int] = {}
@@ -582,6 +586,13 @@ class SimEngine:
                 break
             del self.waiting[index]
             self.stats.prefix_hit_tokens += local
+            for block in hit_blocks:
+                # Hits on blocks whose rows are still being computed: in this very step,
+                # or in a step whose output has not been processed yet.
+                if block.cached_at == self.step_index:
+                    self.stats.same_step_hit_blocks += 1
+                elif block.cached_at > self._processed_step:
+                    self.stats.in_flight_hit_blocks += 1
             self.stats.external_hit_tokens += external
             request.num_computed_tokens = computed
             request.status = RUNNING
@@ -761,6 +772,7 @@ class SimEngine:
     # ------------------------------------------------------------------ outputs
 
     def _process(self, step: _InFlight) -> None:
+        self._processed_step = step.index
         output = None
         if step.pending is not None:
             if step.future is not None:

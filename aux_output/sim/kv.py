@@ -52,6 +52,7 @@ class KVBlock:
     block_id: int
     ref_cnt: int = 0
     block_hash: bytes | None = None
+    cached_at: int = -1  # BlockPoolDouble.now when the block got its hash
 
 
 class BlockPoolDouble:
@@ -63,6 +64,7 @@ class BlockPoolDouble:
         self.free_queue: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
         self.cached: dict[bytes, dict[int, None]] = {}
         self.on_evict: Any = None  # callable(hash) invoked when a cached block is reused
+        self.now = 0  # the engine's step index, stamped on blocks as they are cached
 
     def get_cached_block(
         self, block_hash: bytes, kv_cache_group_ids: list[int]
@@ -103,6 +105,7 @@ class BlockPoolDouble:
 
     def cache(self, block: KVBlock, block_hash: bytes) -> None:
         block.block_hash = block_hash
+        block.cached_at = self.now
         self.cached.setdefault(block_hash, {})[block.block_id] = None
 
 

@@ -366,6 +366,36 @@ def finish_in_flight_trace(seed: int = 0, size: str = "small", **config: object)
     return Trace("finish_in_flight", seed, ModelSpec(num_dense_layers=1), cfg, tuple(reqs))
 
 
+def shared_prefix_trace(seed: int = 0, size: str = "small", **config: object) -> Trace:
+    """Async scheduling; groups of requests with one long common prefix arrive together
+    or one step apart, so prefix hits land on blocks computed in the same step or in a
+    step still in flight (the worker must publish before it materializes)."""
+    s = _sizes(size)
+    cfg = _config(
+        dict(
+            max_concurrent_batches=2,
+            block_size=8,
+            hash_block_size=4,
+            max_num_batched_tokens=160,
+            max_num_seqs=8,
+        ),
+        config,
+    )
+    g = _Gen(seed, _slack(cfg))
+    reqs = []
+    for group in range(2 + s):
+        prefix = g.toks(int(g.rng.integers(24, 60)))
+        for k in range(3):
+            reqs.append(
+                g.request(
+                    prefix + g.toks(int(g.rng.integers(1, 9))),
+                    int(g.rng.integers(2, 10)),
+                    arrival_step=6 * group + (k if k < 2 else 0),
+                )
+            )
+    return Trace("shared_prefix", seed, ModelSpec(top_k=3, num_experts=32), cfg, tuple(reqs))
+
+
 def random_trace(seed: int, **overrides: object) -> Trace:
     """Everything drawn from the seed: config (async, drafts, chunking, preemption
     pressure, hash/KV block sizes, offload, padding), shared prefixes, multi-turn chains,
@@ -453,6 +483,7 @@ SCENARIOS: dict[str, Callable[..., Trace]] = {
     "reset": reset_trace,
     "eviction": eviction_trace,
     "finish_in_flight": finish_in_flight_trace,
+    "shared_prefix": shared_prefix_trace,
 }
 
 

@@ -122,6 +122,7 @@ EXPECT = {
     "reset": lambda s: s.resets == 3 and s.prefix_hit_tokens > 0,
     "eviction": lambda s: s.external_hits_capped > 0 and s.external_hit_tokens > 0,
     "finish_in_flight": lambda s: s.finished_in_flight > 0 and s.aborts > 0,
+    "shared_prefix": lambda s: s.same_step_hit_blocks > 0 and s.in_flight_hit_blocks > 0,
 }
 
 
