@@ -12,7 +12,7 @@ baseline and NVML's used-memory delta (per process where the driver reports it, 
 device-wide), as JSON. The capture buffer is counted for every provider: vLLM's capturer
 allocates it either way.
 
-    python -m bench.nvml_profile [--out DIR]
+    python -m bench.nvml_profile [--quick] [--out DIR]    (or: python -m bench.run nvml)
 
 Exit status: 0 measured; 3 no NVIDIA driver/NVML here (one line, no traceback); 4 NVML works
 but torch has no CUDA device; 1 a provider process failed.
@@ -163,6 +163,7 @@ def child(provider: str, model: str) -> dict:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=RESULTS_DIR, help="results folder")
+    parser.add_argument("--quick", action="store_true", help="one model only")
     parser.add_argument("--child", nargs=2, metavar=("PROVIDER", "MODEL"), help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     try:
@@ -188,7 +189,7 @@ def main(argv: list[str] | None = None) -> int:
 
     repo = Path(__file__).resolve().parents[1]
     rows = []
-    for model in MODELS:
+    for model in list(MODELS)[:1] if args.quick else MODELS:
         for provider in PROVIDERS:
             proc = subprocess.run(
                 [sys.executable, "-m", "bench.nvml_profile", "--child", provider, model],
