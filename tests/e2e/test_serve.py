@@ -1,0 +1,58 @@
+"""`vllm serve --enable-return-routed-experts --aux-output-backend triton`, real server and
+client, against stock vLLM's backend and HF transformers' router (tiny Qwen3-MoE, float32)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from demo import checks
+from demo.scenario import host_rows
+from demo.tiny_model import TINY_CONFIG
+
+pytestmark = pytest.mark.e2e
+
+SHAPE = (TINY_CONFIG["num_hidden_layers"], TINY_CONFIG["num_experts_per_tok"])
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_completions_return_routed_experts(request, backend):
+    run = request.getfixturevalue(f"{backend}_run")
+    assert run.results, "no requests answered"
+    assert checks.check_shapes(run, SHAPE, np.uint8) == []
+
+
+def test_triton_rows_byte_identical_to_vllm_backend(torch_run, triton_run):
+    assert checks.check_same_as(triton_run, torch_run) == []
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_rows_equal_hf_router_top_k(request, hf_router, backend):
+    assert checks.check_router(request.getfixturevalue(f"{backend}_run"), hf_router) == []
+
+
+def test_prefix_cache_hit_returns_full_rows(triton_run, hf_router):
+    assert checks.check_prefix_hit(triton_run) == []
+    turn2 = triton_run.results["turn2"]
+    # Turn 1 left KV for 74 tokens: two whole 32-token blocks are reused.
+    assert turn2.cached_tokens == 64
+    expected = hf_router.topk(turn2.sequence)[: turn2.cached_tokens]
+    np.testing.assert_array_equal(turn2.rows[: turn2.cached_tokens], expected)
+
+
+def test_routed_experts_prompt_start_is_honoured(triton_run, hf_router):
+    r = triton_run.results["prompt_start"]
+    assert r.prompt_start == 50 and r.cached_tokens
+    assert len(r.rows) == len(r.sequence) - 1 - 50
+    np.testing.assert_array_equal(r.rows, hf_router.topk(r.sequence)[50:-1])
+
+
+def test_speculative_decoding_returns_only_accepted_rows(triton_run):
+    assert checks.check_speculative(triton_run) == []
+
+
+def test_server_counters_agree_with_returned_rows(torch_run, triton_run):
+    # The report's host-row accounting rests on these counters; both servers ran one schedule.
+    assert checks.check_row_accounting(triton_run) == []
+    assert checks.check_row_accounting(torch_run) == []
+    assert host_rows(torch_run.metrics) == host_rows(triton_run.metrics)
