@@ -516,6 +516,7 @@ class TritonAuxOutputWorker:
             step_info,
             num_rejected[:num_reqs] if num_rejected is not None else None,
             num_reqs=num_reqs,
+            num_rows=int(qsl[-1]),
             impl=self._kernel_impl,
         )
         return step_info, staging
