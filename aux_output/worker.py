@@ -693,20 +693,29 @@ class TritonAuxOutputWorker:
     def _materialize(
         self, request_id: str, row: int, emit_start: int, token_end: int
     ) -> np.ndarray:
-        """Rows ``emit_start .. token_end``: stored blocks, then the open block's rows."""
+        """Rows ``emit_start .. token_end``: stored blocks, then the open block's rows.
+
+        A missing stored block raises ``BlockObjectStoreError`` (fail closed).
+        """
         B = self.block_size
-        L, K = self.shape_per_token
         keys = self._requests.keys[row]
         stored_end = min(token_end // B, len(keys)) * B
-        parts = []
+        out = np.empty((token_end - emit_start, *self.shape_per_token), self.dtype)
         read_from = emit_start
         if emit_start < stored_end:
-            blocks = self._store.get_array(keys[emit_start // B : stored_end // B])
-            blocks = blocks.view(self.dtype).reshape(-1, L, K)
-            local = emit_start % B
-            parts.append(blocks[local : local + stored_end - emit_start])
+            slots = self._store.lookup_slots(keys[emit_start // B : stored_end // B])
+            if emit_start % B == 0:
+                # Whole blocks: one gather of block-sized rows straight into the output.
+                blocks = out[: stored_end - emit_start].reshape(len(slots), -1).view(np.uint8)
+                np.take(self._store.arena_np, slots, axis=0, out=blocks)
+            else:
+                first = emit_start // B * B
+                positions = np.arange(emit_start - first, stored_end - first, dtype=np.int64)
+                out[: stored_end - emit_start] = self._arena_rows_np()[
+                    slots[positions // B] * B + positions % B
+                ]
             read_from = stored_end
-        if read_from < token_end or not parts:
+        if read_from < token_end or read_from == emit_start:
             # Only the open (incomplete) block is readable outside the store, as in vLLM.
             open_start = token_end // B * B
             if token_end % B == 0 or read_from < open_start or read_from >= token_end:
@@ -716,8 +725,8 @@ class TritonAuxOutputWorker:
                     f"available=[{open_start}, {token_end if token_end % B else open_start})"
                 )
             index = self._requests.slot_rows(row, read_from, token_end, B)
-            parts.append(self._arena_rows_np()[index])
-        return parts[0].copy() if len(parts) == 1 else np.concatenate(parts)
+            out[read_from - emit_start :] = self._arena_rows_np()[index]
+        return out
 
     def _unstage(self, pending: PendingStep) -> None:
         # Device-staging mode: scatter the rows the kernel wrote, now in the host copy of

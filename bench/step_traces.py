@@ -210,7 +210,8 @@ def build_trace(preset: str, shape: ModelShape, *, block_size: int = 16, seed: i
     """``(steps, max_num_batched_tokens, max_num_seqs)`` for one benchmark preset.
 
     decode: 256 requests x 1 token per step; prefill: 8192-token chunks of 16k prompts;
-    multi-turn: second turns hitting the first turns' prefix; speculative: 256 requests,
+    multi-turn: 32 second turns per step hitting their first turns' ~2k-token prefix;
+    speculative: 256 requests,
     k=3 drafts, about half rejected; mixed: one 4096-token chunk beside 128 decodes.
     """
     b = _Builder(shape, block_size, seed)
@@ -222,25 +223,27 @@ def build_trace(preset: str, shape: ModelShape, *, block_size: int = 16, seed: i
         reqs = _requests("p", 4, 16384, 1)
         b.prefill(reqs, 8192, timed=True)
     elif preset == "multi-turn":
-        first = _requests("m", 16, 2000, 16)
-        b.prefill(first, 8192, timed=False)
-        b.decode(first, timed=False)
-        b.drain()
-        # Turn 2 replays turn 1's tokens (same content, so the same hashes and routes).
-        # The prefix cache serves every block turn 1 computed in full.
-        second = [
-            _Request(
-                f"{r.req_id}-t2",
-                r.content,
-                r.num_tokens + 96,
-                8,
-                0,
-                computed=r.computed // block_size * block_size,
-            )
-            for r in first
-        ]
-        b.prefill(second, 8192, timed=True)
-        b.decode(second, timed=True)
+        # 8 rounds of 32 conversations; every second turn hits the prefix cache on all of
+        # the first turn's complete blocks (same content: same hashes and routes), and the
+        # timed steps are those prefix-hit prefills, which materialize ~2k stored rows each.
+        for round_ in range(8):
+            first = _requests(f"m{round_}-", 32, 2000, 4)
+            b.prefill(first, 65536, timed=False)
+            b.decode(first, timed=False)
+            b.drain()
+            second = [
+                _Request(
+                    f"{r.req_id}-t2",
+                    r.content,
+                    r.num_tokens + 96,
+                    1,
+                    0,
+                    computed=r.computed // block_size * block_size,
+                )
+                for r in first
+            ]
+            b.prefill(second, 65536, timed=True)
+            b.drain()
     elif preset == "speculative":
         reqs = _requests("s", 256, 112, 64, spec_k=3)
         b.prefill(reqs, 8192, timed=False)

@@ -418,11 +418,8 @@ class BlockStore:
             pending = list(filterfalse(slots.__contains__, unique))
         else:
             pending = list(unique)
-        for key in retains:
-            count = refs.get(key, 0)
-            if not count:
-                lru.pop(key, None)
-            refs[key] = count + 1
+        if retains:
+            self._retain(retains)
         terminal: list[str] = []
         for key in releases:
             count = refs[key] - 1
@@ -447,6 +444,22 @@ class BlockStore:
         if bound > self.num_slots:
             self._grow(max(bound, 2 * self.num_slots))
         return pending
+
+    def _retain(self, retains: tuple[str, ...]) -> None:
+        """Add one reference per occurrence; a key's first reference takes it off the LRU.
+
+        A prefix hit pins thousands of keys at once, so the per-key work stays in C
+        (``Counter``, set algebra, ``map``) except for keys that were already referenced.
+        """
+        refs, lru = self._refs, self._lru
+        counts = Counter(retains)
+        held = counts.keys() & refs.keys() if refs else ()
+        for key in held:
+            refs[key] += counts[key]
+        fresh = counts.keys() - held if held else counts.keys()
+        if lru:
+            deque(map(lru.pop, fresh, repeat(None)), maxlen=0)
+        refs.update(zip(fresh, map(counts.__getitem__, fresh)))
 
     def _touch(self, keys: Sequence[str]) -> None:
         """Make the unreferenced ones of ``keys`` most recently used, one after another."""
