@@ -165,6 +165,10 @@ class StepRecord:
 
 @dataclass
 class SimError:
+    """The first error of a run: engine step index, the worker call (``begin_step``,
+    ``prepare_output``, ``enqueue_cpu_copy``, ``process_output``) or ``engine``, and the
+    exception."""
+
     step: int
     phase: str
     exc: BaseException
@@ -176,6 +180,16 @@ class SimError:
 
 @dataclass
 class SimResult:
+    """What a run produced.
+
+    ``steps``: per processed forward step, the worker's outputs (for differential tests);
+    ``metas``: the scheduler metadata of every step (when recorded); ``emitted``: per
+    request, each non-None ``take_output`` result as ``(token_start, rows)`` (the arrays
+    themselves, so outputs that alias reused buffers are caught by the final check);
+    ``emit_start``: first token_start per request; ``final_tokens`` / ``finish_status``:
+    per finished or aborted request; ``error``: the first error (``catch_errors=True``).
+    """
+
     trace: Trace
     worker_name: str
     steps: list[StepRecord] = field(default_factory=list)

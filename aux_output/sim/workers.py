@@ -97,8 +97,9 @@ class _FakeCapturer:
         return self.device_buffer[:num_tokens].to(self.output_dtype)
 
 
-def make_vllm_worker(sizes: WorkerSizes) -> WorkerHandle:
-    """vLLM 0.33.0's AuxOutputWorkerConnector on the output rank, without a model."""
+def make_vllm_worker(sizes: WorkerSizes, *, is_output_rank: bool = True) -> WorkerHandle:
+    """vLLM 0.33.0's AuxOutputWorkerConnector without a model: on the output rank (the
+    first TP rank) with its store and staging buffer, else capture-only (no data plane)."""
     from threading import Lock
 
     from vllm.distributed.aux_output_connector.routed_experts import RoutedExpertsBuffer
@@ -117,6 +118,16 @@ def make_vllm_worker(sizes: WorkerSizes) -> WorkerHandle:
     worker._pending_outputs = []
     worker._lock = Lock()
     worker._max_concurrent_batches = sizes.max_concurrent_batches
+    worker._store = None
+    worker._buffer = None
+    if not is_output_rank:
+        return WorkerHandle(
+            "vllm",
+            worker,
+            capturer.device_buffer,
+            lambda batch, _num_rejected: worker.prepare_output(batch),
+            lambda: len(worker._requests),
+        )
     worker._store = BackgroundBlockObjectStore(
         BlockObjectStore(max_bytes=sizes.max_bytes, object_nbytes=sizes.object_nbytes),
         max_pending_batches=2 * sizes.max_num_seqs,
@@ -145,6 +156,7 @@ def make_r3capture_worker(
     device: str = "cpu",
     destination: str | None = None,
     pass_num_rejected: bool = True,
+    is_output_rank: bool = True,
 ) -> WorkerHandle:
     """r3capture's TritonAuxOutputWorker. With ``pass_num_rejected`` the step's rejected
     counts reach ``prepare_output`` as a device tensor (the GPU handoff); without it the
@@ -162,6 +174,7 @@ def make_r3capture_worker(
         device=device,
         destination=destination,
         kernel_impl=kernel_impl,
+        is_output_rank=is_output_rank,
     )
     buffer = worker.capture_buffer
 

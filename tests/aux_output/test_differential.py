@@ -251,3 +251,19 @@ def test_scripted_reattach_after_rejection_matches():
     assert results[0][1] is None, results[0][1]
     assert results[1] == results[0]
     assert [list(o) for o in results[0][0]] == [["a"], ["a"], ["a"]]
+
+
+def test_non_output_rank_and_missing_metadata_skip_the_data_plane():
+    """Non-first TP ranks capture but own no data plane; a step without metadata (warmup,
+    dummy run) takes no snapshot. Both workers return None from prepare_output and accept
+    any metadata without looking at it."""
+    batch = _batch([("a", 0, 2, 0)])
+    for make in (make_vllm_worker, make_r3capture_worker):
+        off_rank = make(SIZES, is_output_rank=False)
+        off_rank.begin_step(_meta({"a": 0}, finished=("a",)))  # would be a violation
+        assert off_rank.prepare_output(batch, np.zeros(1, np.int32)) is None
+        off_rank.close()
+        handle = make(SIZES)
+        handle.begin_step(None)
+        assert handle.prepare_output(batch, np.zeros(1, np.int32)) is None
+        handle.close()
