@@ -2,8 +2,9 @@
 
 ``register()`` is r3capture's ``vllm.general_plugins`` entry point. vLLM calls it in every
 process it starts (API server, engine core, each worker), possibly several times, so it is
-idempotent and cheap: it imports only ``vllm.engine.arg_utils`` (already imported wherever
-vLLM loads plugins) and defers the model-runner hooks until vLLM imports the model runner.
+idempotent and cheap: it imports nothing from vLLM. Each hook is applied to its vLLM module
+right after vLLM imports that module (at once if it already has), so the API server never
+imports the model runner because of r3capture.
 
 What it installs:
 
@@ -15,9 +16,9 @@ What it installs:
   arguments, and every parser built after that sees the flag: ``vllm serve``, the OpenAI
   api_server module, ``run-batch``, the gRPC server, and, because the ``vllm`` CLI builds the
   ``serve`` parser before the others, every ``vllm`` subcommand (``vllm bench latency``,
-  ``vllm preload``, ...). A script of one's own that calls ``EngineArgs.add_cli_args``
-  before any plugin has loaded (``python -m vllm.benchmarks.latency``) does not get the flag;
-  there, and from Python, use ``--additional-config '{"aux_output_backend": "triton"}'`` /
+  ``vllm preload``, ...). A script that builds its parser with ``EngineArgs.add_cli_args``
+  before any plugin has loaded does not get the flag; there, and from Python, use
+  ``--additional-config '{"aux_output_backend": "triton"}'`` /
   ``LLM(..., additional_config={"aux_output_backend": "triton"})``.
 * **The check** (wherever a ``VllmConfig`` is built from engine arguments):
   ``EngineArgs.create_engine_config`` refuses an unknown backend, ``triton`` on a vLLM
@@ -33,7 +34,8 @@ What it installs:
   the kernel skips rejected speculative rows on the device.
 
 With ``torch`` (the default) vLLM runs exactly its own code: no ``additional_config`` key is
-added and the wrappers call straight through.
+added and the wrappers call straight through. On a vLLM outside the supported range only the
+flag and the check are installed, so selecting ``triton`` fails with the supported range.
 """
 
 from __future__ import annotations
