@@ -184,15 +184,11 @@ def _patch_engine_args(module: ModuleType) -> None:
 
 
 def _add_backend_flag(parser) -> None:
-    if _FLAG in getattr(parser, "_option_string_actions", {}):
+    if _FLAG in parser._option_string_actions:
         return
-    # Put the flag beside --enable-return-routed-experts in --help when that group exists.
-    group = parser
+    # In --help, list it in the group of --enable-return-routed-experts (ModelConfig).
     anchor = parser._option_string_actions.get("--enable-return-routed-experts")
-    for candidate in getattr(parser, "_action_groups", ()):
-        if anchor is not None and anchor in candidate._group_actions:
-            group = candidate
-            break
+    group = next((g for g in parser._action_groups if anchor in g._group_actions), parser)
     group.add_argument(
         _FLAG,
         choices=BACKENDS,
