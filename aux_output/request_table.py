@@ -19,7 +19,15 @@ class RequestTable:
     """Rows of request state; ``rows(ids)`` maps request ids to row indices."""
 
     _INT_FIELDS = (
-        "cursor", "scheduled", "emit", "pending", "low", "base", "num_keys", "num_slots", "tail"
+        "cursor",
+        "scheduled",
+        "emit",
+        "pending",
+        "low",
+        "base",
+        "num_keys",
+        "num_slots",
+        "tail",
     )
 
     def __init__(self, capacity: int = 64) -> None:

@@ -130,8 +130,19 @@ def make_result(
         samples = samples[:, 0]
     p50, p20, p80 = quantiles_us(samples)
     params.setdefault("repeats", int(len(samples)))
-    return Result(bench, op, list(shape), dtype, provider, p50, p20, p80, "us",
-                  **machine_info(), params=params)
+    return Result(
+        bench,
+        op,
+        list(shape),
+        dtype,
+        provider,
+        p50,
+        p20,
+        p80,
+        "us",
+        **machine_info(),
+        params=params,
+    )
 
 
 def timed_ns(fn: Callable[[], Any]) -> np.ndarray:

@@ -46,8 +46,13 @@ TARGET = 5.0
 
 OURS_PUT, OURS_BIND, OURS_GET = "r3capture.put_array", "r3capture.bind", "r3capture.get_array"
 VLLM, VLLM_BG = "vllm.BlockObjectStore", "vllm.BackgroundBlockObjectStore"
-COLORS = {OURS_PUT: "tab:blue", OURS_BIND: "tab:green", OURS_GET: "tab:purple",
-          VLLM: "tab:red", VLLM_BG: "tab:orange"}
+COLORS = {
+    OURS_PUT: "tab:blue",
+    OURS_BIND: "tab:green",
+    OURS_GET: "tab:purple",
+    VLLM: "tab:red",
+    VLLM_BG: "tab:orange",
+}
 
 _key_ids = itertools.count()
 
@@ -147,8 +152,13 @@ class Stores:
         publishers = self.publishers(rows)
         readers = self.readers()
         pairs = [(OURS_PUT, OURS_GET, readers[OURS_GET])]
-        pairs.append((OURS_BIND, "r3capture.get_array(bind)", lambda k: readers[OURS_GET](
-            k, store=self.bound)))
+        pairs.append(
+            (
+                OURS_BIND,
+                "r3capture.get_array(bind)",
+                lambda k: readers[OURS_GET](k, store=self.bound),
+            )
+        )
         if self.vllm is not None:
             pairs += [(VLLM, VLLM, readers[VLLM]), (VLLM_BG, VLLM_BG, readers[VLLM_BG])]
         for writer, reader_name, read in pairs:
@@ -195,8 +205,17 @@ def measure(stores: Stores, n: int, quick: bool, rng: np.random.Generator) -> li
     results = []
     for op, samples in (("publish", published), ("materialize", read)):
         for provider, ns in samples.items():
-            result = make_result("store", op, shape, np.dtype(DTYPE).name, provider, ns,
-                                 n_blocks=n, block_nbytes=NBYTES, capacity_blocks=CAPACITY)
+            result = make_result(
+                "store",
+                op,
+                shape,
+                np.dtype(DTYPE).name,
+                provider,
+                ns,
+                n_blocks=n,
+                block_nbytes=NBYTES,
+                capacity_blocks=CAPACITY,
+            )
             result.params["gbps_p50"] = n * NBYTES / (result.p50 * 1e3)
             results.append(result)
     return results
@@ -211,14 +230,16 @@ def ratios(results: list[Result]) -> list[dict]:
         for baseline in (VLLM, VLLM_BG):
             if (op, n, baseline) in by_key:
                 base = by_key[(op, n, baseline)]
-                out.append({
-                    "op": op,
-                    "n_blocks": n,
-                    "provider": provider,
-                    "baseline": baseline,
-                    "ratio_p50": base.p50 / result.p50,
-                    "ratio_cpu_p50": base.params["cpu_p50"] / result.params["cpu_p50"],
-                })
+                out.append(
+                    {
+                        "op": op,
+                        "n_blocks": n,
+                        "provider": provider,
+                        "baseline": baseline,
+                        "ratio_p50": base.p50 / result.p50,
+                        "ratio_cpu_p50": base.params["cpu_p50"] / result.params["cpu_p50"],
+                    }
+                )
     return out
 
 
@@ -232,17 +253,29 @@ def figure(results: list[Result], table: list[dict]):
     for ax, op in zip(axes[:2], ("publish", "materialize")):
         providers = sorted({r.provider for r in results if r.op == op})
         for provider in providers:
-            rows = sorted((r for r in results if r.op == op and r.provider == provider),
-                          key=lambda r: r.params["n_blocks"])
+            rows = sorted(
+                (r for r in results if r.op == op and r.provider == provider),
+                key=lambda r: r.params["n_blocks"],
+            )
             ns = [r.params["n_blocks"] for r in rows]
             color = COLORS[provider]
-            ax.plot(ns, [r.params["gbps_p50"] for r in rows], marker="o", label=provider,
-                    color=color)
-            ax.fill_between(ns, [n * NBYTES / (r.p80 * 1e3) for n, r in zip(ns, rows)],
-                            [n * NBYTES / (r.p20 * 1e3) for n, r in zip(ns, rows)], alpha=0.2,
-                            color=color)
-        ax.set(xscale="log", yscale="log", xlabel="blocks per batch",
-               ylabel="GB/s (median; band p20-p80)", title=f"{op} throughput")
+            ax.plot(
+                ns, [r.params["gbps_p50"] for r in rows], marker="o", label=provider, color=color
+            )
+            ax.fill_between(
+                ns,
+                [n * NBYTES / (r.p80 * 1e3) for n, r in zip(ns, rows)],
+                [n * NBYTES / (r.p20 * 1e3) for n, r in zip(ns, rows)],
+                alpha=0.2,
+                color=color,
+            )
+        ax.set(
+            xscale="log",
+            yscale="log",
+            xlabel="blocks per batch",
+            ylabel="GB/s (median; band p20-p80)",
+            title=f"{op} throughput",
+        )
         ax.legend(fontsize=8)
         ax.grid(True, which="both", alpha=0.3)
     ax = axes[2]
@@ -251,23 +284,39 @@ def figure(results: list[Result], table: list[dict]):
         key=lambda t: (t["op"], t["provider"], t["baseline"]),
     ):
         group = list(group)
-        ax.plot([t["n_blocks"] for t in group], [t["ratio_cpu_p50"] for t in group], marker="o",
-                color=COLORS[provider], linestyle="-" if baseline == VLLM else ":",
-                label=f"{provider} vs {baseline.split('.')[1]}")
+        ax.plot(
+            [t["n_blocks"] for t in group],
+            [t["ratio_cpu_p50"] for t in group],
+            marker="o",
+            color=COLORS[provider],
+            linestyle="-" if baseline == VLLM else ":",
+            label=f"{provider} vs {baseline.split('.')[1]}",
+        )
     ax.axhline(TARGET, color="k", linestyle="--", linewidth=1, label=f"target {TARGET:g}x")
     ax.axvline(16, color="grey", linestyle=":", linewidth=1)
-    ax.set(xscale="log", yscale="log", xlabel="blocks per batch",
-           ylabel="vLLM median / ours (process CPU time)",
-           title="speed-up over vLLM 0.33.0 (CPU time: robust to a shared machine)")
+    ax.set(
+        xscale="log",
+        yscale="log",
+        xlabel="blocks per batch",
+        ylabel="vLLM median / ours (process CPU time)",
+        title="speed-up over vLLM 0.33.0 (CPU time: robust to a shared machine)",
+    )
     ax.legend(fontsize=7)
     ax.grid(True, which="both", alpha=0.3)
-    fig.suptitle(f"BlockStore vs vLLM 0.33.0: blocks of [{B}, {L}, {K}] uint8 ({NBYTES} B), "
-                 f"store of {CAPACITY} blocks kept full")
+    fig.suptitle(
+        f"BlockStore vs vLLM 0.33.0: blocks of [{B}, {L}, {K}] uint8 ({NBYTES} B), "
+        f"store of {CAPACITY} blocks kept full"
+    )
     return fig
 
 
-SHORT = {OURS_PUT: "put_array", OURS_BIND: "bind", OURS_GET: "get_array", VLLM: "vllm",
-         VLLM_BG: "vllm-bg"}
+SHORT = {
+    OURS_PUT: "put_array",
+    OURS_BIND: "bind",
+    OURS_GET: "get_array",
+    VLLM: "vllm",
+    VLLM_BG: "vllm-bg",
+}
 
 
 def print_table(results: list[Result], table: list[dict]) -> None:
@@ -275,23 +324,41 @@ def print_table(results: list[Result], table: list[dict]) -> None:
     ratio = {(t["op"], t["n_blocks"], t["provider"], t["baseline"]): t for t in table}
     for op in ("publish", "materialize"):
         names = [p for p in SHORT if any(k[0] == op and k[2] == p for k in p50)]
-        pairs = [(o, b) for o in names if o.startswith("r3capture") for b in (VLLM, VLLM_BG)
-                 if any(k[0] == op and k[2:] == (o, b) for k in ratio)]
-        print(f"\n{op}: median wall us per batch | speed-up = vLLM median / ours, "
-              "wall (CPU time)")
-        print(f"{'blocks':>6s}" + "".join(f"{SHORT[p]:>10s}" for p in names) + " |"
-              + "".join(f"{SHORT[o] + '/' + SHORT[b]:>22s}" for o, b in pairs))
+        pairs = [
+            (o, b)
+            for o in names
+            if o.startswith("r3capture")
+            for b in (VLLM, VLLM_BG)
+            if any(k[0] == op and k[2:] == (o, b) for k in ratio)
+        ]
+        print(f"\n{op}: median wall us per batch | speed-up = vLLM median / ours, wall (CPU time)")
+        print(
+            f"{'blocks':>6s}"
+            + "".join(f"{SHORT[p]:>10s}" for p in names)
+            + " |"
+            + "".join(f"{SHORT[o] + '/' + SHORT[b]:>22s}" for o, b in pairs)
+        )
         for n in sorted({k[1] for k in p50 if k[0] == op}):
             cells = (ratio[(op, n, o, b)] for o, b in pairs)
-            print(f"{n:>6d}" + "".join(f"{p50[(op, n, p)]:>10.1f}" for p in names) + " |"
-                  + "".join(f"{t['ratio_p50']:>13.2f}x ({t['ratio_cpu_p50']:.2f}x)" for t in cells))
+            print(
+                f"{n:>6d}"
+                + "".join(f"{p50[(op, n, p)]:>10.1f}" for p in names)
+                + " |"
+                + "".join(f"{t['ratio_p50']:>13.2f}x ({t['ratio_cpu_p50']:.2f}x)" for t in cells)
+            )
 
 
 def main(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(prog="python -m bench.run store", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--quick", action="store_true",
-                        help="few sizes and repeats, results not written (a smoke run)")
+    parser = argparse.ArgumentParser(
+        prog="python -m bench.run store",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument(
+        "--quick",
+        action="store_true",
+        help="few sizes and repeats, results not written (a smoke run)",
+    )
     args = parser.parse_args(argv)
     try:
         from vllm.distributed.aux_output_connector import routed_experts as vllm_experts
@@ -315,18 +382,27 @@ def main(argv: list[str]) -> int:
     print_table(results, table)
     if args.quick:
         return 0
-    workload = {"block": [B, L, K], "dtype": np.dtype(DTYPE).name, "block_nbytes": NBYTES,
-                "capacity_blocks": CAPACITY, "sizes": list(sizes),
-                "timer": "time.perf_counter_ns, providers interleaved round-robin",
-                # a shared machine: the 1-minute load average says how noisy the run was
-                "loadavg_1m_before_after": [load_before[0], os.getloadavg()[0]],
-                "cpu_count": os.cpu_count()}
+    workload = {
+        "block": [B, L, K],
+        "dtype": np.dtype(DTYPE).name,
+        "block_nbytes": NBYTES,
+        "capacity_blocks": CAPACITY,
+        "sizes": list(sizes),
+        "timer": "time.perf_counter_ns, providers interleaved round-robin",
+        # a shared machine: the 1-minute load average says how noisy the run was
+        "loadavg_1m_before_after": [load_before[0], os.getloadavg()[0]],
+        "cpu_count": os.cpu_count(),
+    }
     paths = write_results(
         "store",
         results,
         figure=figure(results, table),
-        extra={"workload": workload, "verified_byte_equal": True, "target_ratio": TARGET,
-               "ratios": table},
+        extra={
+            "workload": workload,
+            "verified_byte_equal": True,
+            "target_ratio": TARGET,
+            "ratios": table,
+        },
     )
     print("\nwrote " + ", ".join(str(p) for p in paths))
     return 0

@@ -472,8 +472,7 @@ class BlockStore:
             held = self._refs.get(key, 0) + added[key]
             if held < count:
                 raise KeyError(
-                    f"release_keys: {key!r} released {count} time(s) but holds {held} "
-                    "reference(s)"
+                    f"release_keys: {key!r} released {count} time(s) but holds {held} reference(s)"
                 )
 
     def _evict(self, excess: int, protected: Any) -> set[str]:
