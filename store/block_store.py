@@ -194,9 +194,15 @@ class BlockStore:
             rows = np.empty((n, self.object_nbytes), dtype=np.uint8)
         else:
             rows = self._as_rows(out, n, name="out")
-        # mode="wrap" skips numpy's buffered bounds check; slots come from our own table.
-        np.take(self._arena_np, slots, axis=0, out=rows, mode="wrap")
+        self.gather_into(slots, rows)
         return rows
+
+    def gather_into(self, slots: np.ndarray, out: np.ndarray) -> None:
+        """Copy arena rows ``slots`` (int64 ``[n]``) into ``out`` (uint8 ``[n, object_nbytes]``,
+        C-contiguous). No bookkeeping: callers pass slots they looked up."""
+        # torch's row gather copies each slot with one memcpy; np.take(axis=0, out=) goes
+        # element-wise through a buffered iterator and is ~4x slower for 6 KiB rows.
+        torch.index_select(self._arena, 0, torch.from_numpy(slots), out=torch.from_numpy(out))
 
     def lookup_slots(self, keys: Sequence[str]) -> np.ndarray:
         """Slots of ``keys`` as ``int64 [len(keys)]``; refreshes their recency like a read.
