@@ -68,8 +68,9 @@ class PendingStep:
         self.rows = rows  # int64 [R]: request-table rows
         self.token_starts = token_starts  # int64 [R]
         self.query_start_loc = query_start_loc  # int64 [R + 1]
+        self.num_tokens = np.diff(query_start_loc)  # int64 [R]: rows scheduled per request
         self.first_blocks = first_blocks  # int64 [R]
-        self.slot_table = slot_table  # int32 [R, M]: store slot of block first_blocks[r] + j
+        self.slot_table = slot_table  # int64 [R, M]: store slot of block first_blocks[r] + j
         self.step_info_device = step_info  # int32 [R, 3] written by the kernel
         self.step_info: np.ndarray | None = None
         self.staging = staging
@@ -103,7 +104,7 @@ class _StagingCopy:
     host: torch.Tensor  # [num_blocks, B, L, K], pinned when CUDA is present
     first_blocks: np.ndarray  # int64 [R]
     staging_table: np.ndarray  # int32 [R, M]: staging slot of block first_blocks[r] + j
-    arena_table: np.ndarray  # int32 [R, M]: store slot of the same block
+    arena_table: np.ndarray  # int64 [R, M]: store slot of the same block
     started: bool = False
 
     def start(self) -> None:
@@ -420,7 +421,7 @@ class TritonAuxOutputWorker:
         With ``exact`` (the device knows each row's true position) a request whose earlier
         step is still in flight may start below the scheduler's ``token_start`` (a rejected
         speculative suffix); its table then reaches down to the lowest possible start.
-        Returns ``first_block [R]`` (int64) and ``slot_table [R, M]`` (int32, -1 = unmapped).
+        Returns ``first_block [R]`` (int64) and ``slot_table [R, M]`` (int64, -1 = unmapped).
         """
         B = self.block_size
         table = self._requests
@@ -447,7 +448,7 @@ class TritonAuxOutputWorker:
                 taken += count
         num_reqs = len(rows)
         width = int((lasts - firsts).max()) + 1 if num_reqs else 1
-        slot_table = np.full((num_reqs, max(width, 1)), -1, dtype=np.int32)
+        slot_table = np.full((num_reqs, max(width, 1)), -1, dtype=np.int64)
         bases = table.base[rows]
         # Decode-like requests write only into their last unbound block: no list work.
         single = (lasts == firsts) & (lasts == bases + table.num_slots[rows] - 1)
@@ -533,6 +534,16 @@ class TritonAuxOutputWorker:
         L, K = self.shape_per_token
         return self._store.arena_np.view(self.dtype).reshape(-1, L, K)
 
+    def _gather_rows(self, index: np.ndarray) -> np.ndarray:
+        """Fresh ``[n, L, K]`` array of arena rows ``index`` (int64 ``[n]``)."""
+        L, K = self.shape_per_token
+        arena = self._store.arena
+        row_bytes = arena.shape[1] // self.block_size
+        out = torch.empty((len(index), row_bytes), dtype=torch.uint8)
+        # torch copies each row with one memcpy; numpy's fancy indexing goes element-wise.
+        torch.index_select(arena.view(-1, row_bytes), 0, torch.from_numpy(index), out=out)
+        return out.numpy().view(self.dtype).reshape(len(index), L, K)
+
     def _commit(self, pending: PendingStep) -> dict[str, AuxRequestOutput]:
         B = self.block_size
         table = self._requests
@@ -547,8 +558,7 @@ class TritonAuxOutputWorker:
             return {}
         if pending.staging is not None:
             self._unstage(pending)
-        qsl = pending.query_start_loc
-        num_tokens = np.diff(qsl)
+        num_tokens = pending.num_tokens
         rejected = np.asarray(num_rejected[:num_reqs], dtype=np.int64)
         sampled = np.asarray(num_sampled[:num_reqs])
         starts = pending.token_starts
@@ -615,9 +625,10 @@ class TritonAuxOutputWorker:
 
     @staticmethod
     def _check_step(request_ids: Sequence[str], checks) -> None:
-        failed = [mask for mask, _ in checks if mask.any()]
-        if not failed:
+        masks = [mask for mask, _ in checks]
+        if not np.logical_or.reduce(masks, axis=None):
             return
+        failed = [mask for mask in masks if mask.any()]
         first = min(int(np.argmax(mask)) for mask in failed)
         for mask, message in checks:
             if mask[first]:
@@ -655,10 +666,11 @@ class TritonAuxOutputWorker:
         B = self.block_size
         starts = emit_starts[direct]
         counts = token_ends[direct] - starts
-        if moved.size == 0 and counts.min() == counts.max() == 1:
+        uniform = counts.min() == counts.max()
+        if moved.size == 0 and uniform and counts[0] == 1:
             # Decode steps: one row per request, no per-row expansion needed.
             column = starts // B - pending.first_blocks[direct]
-            index = pending.slot_table[direct, column].astype(np.int64) * B + starts % B
+            index = pending.slot_table[direct, column] * B + starts % B
             offsets = None
         else:
             offsets = np.zeros(len(direct) + 1, np.int64)
@@ -671,8 +683,7 @@ class TritonAuxOutputWorker:
             unmoved = ~np.isin(owner, moved) if moved.size else slice(None)
             index = np.empty(len(owner), np.int64)
             index[unmoved] = (
-                pending.slot_table[owner[unmoved], column[unmoved]].astype(np.int64) * B
-                + position[unmoved] % B
+                pending.slot_table[owner[unmoved], column[unmoved]] * B + position[unmoved] % B
             )
             for j in np.flatnonzero(np.isin(direct, moved)).tolist() if moved.size else ():
                 i = int(direct[j])
@@ -680,10 +691,10 @@ class TritonAuxOutputWorker:
                     int(pending.rows[i]), int(starts[j]), int(token_ends[i]), B
                 )
         # One gather: the outputs own their memory, whatever happens to the slots later.
-        emitted = rows_np[index]
+        emitted = self._gather_rows(index)
         ids = pending.request_ids
         names = ids if len(direct) == len(ids) else [ids[i] for i in direct.tolist()]
-        if counts.min() == counts.max():
+        if uniform:
             # Every request emits the same number of rows: split with one reshape.
             views = list(emitted.reshape(len(direct), int(counts[0]), *emitted.shape[1:]))
         else:
