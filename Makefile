@@ -19,7 +19,7 @@ VLLM_LIGHT_DEPS := psutil pydantic cachetools regex msgspec cloudpickle pyzmq py
 demo: $(VENV_E2E)/.stamp
 	$(VENV_E2E)/bin/python demo/run_demo.py
 
-test: test-unit test-e2e
+test: lint test-unit test-e2e
 
 test-unit: $(VENV)/.stamp
 	$(VENV)/bin/python -m pytest -q -m "not e2e" -p no:cacheprovider
