@@ -189,17 +189,19 @@ class BlockStore:
         the keys; raises ``BlockObjectStoreError`` if any key is missing.
         """
         slots = self.lookup_slots(keys)
-        n = len(slots)
         if out is None:
-            rows = np.empty((n, self.object_nbytes), dtype=np.uint8)
-        else:
-            rows = self._as_rows(out, n, name="out")
+            return self._arena_np[slots]
+        rows = self._as_rows(out, len(slots), name="out")
         self.gather_into(slots, rows)
         return rows
 
     def gather_into(self, slots: np.ndarray, out: np.ndarray) -> None:
         """Copy arena rows ``slots`` (int64 ``[n]``) into ``out`` (uint8 ``[n, object_nbytes]``,
         C-contiguous). No bookkeeping: callers pass slots they looked up."""
+        if len(slots) < 16:
+            # Few blocks: numpy's fancy indexing has the smaller fixed cost.
+            out[...] = self._arena_np[slots]
+            return
         # torch's row gather copies each slot with one memcpy; np.take(axis=0, out=) goes
         # element-wise through a buffered iterator and is ~4x slower for 6 KiB rows.
         torch.index_select(self._arena, 0, torch.from_numpy(slots), out=torch.from_numpy(out))
