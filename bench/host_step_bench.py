@@ -21,14 +21,15 @@ import time
 import numpy as np
 
 from bench.common import Result, make_result, write_results
-from bench.step_traces import KIMI_K2, PRESETS, QWEN3_30B_A3B, ModelShape, build_trace
+from bench.models import KIMI_K2, QWEN3_30B_A3B, ModelShape
+from bench.step_traces import PRESETS, build_trace
 from r3capture.aux_output.sim.workers import WorkerSizes, make_r3capture_worker, make_vllm_worker
 
 BLOCK_SIZE = 16
 
 
 def _sizes(shape: ModelShape, max_tokens: int, max_seqs: int, steps) -> WorkerSizes:
-    row_bytes = shape.num_layers * shape.top_k * shape.dtype.itemsize
+    row_bytes = shape.num_layers * shape.top_k * shape.np_dtype.itemsize
     total_rows = sum(step.num_rows for step in steps)
     # Room for every block of the trace: eviction is not what this benchmark measures.
     max_bytes = (total_rows // BLOCK_SIZE + 64) * BLOCK_SIZE * row_bytes * 2
@@ -98,7 +99,7 @@ def bench_preset(shape: ModelShape, preset: str, seed: int = 0) -> list[Result]:
     prepare = {name: [] for name in handles}
     drained = {name: [] for name in handles}
     identical = True
-    row_bytes = shape.num_layers * shape.top_k * shape.dtype.itemsize
+    row_bytes = shape.num_layers * shape.top_k * shape.np_dtype.itemsize
     vllm_bytes, our_bytes = [], []
     gc_was_enabled = gc.isenabled()
     gc.disable()
@@ -133,7 +134,7 @@ def bench_preset(shape: ModelShape, preset: str, seed: int = 0) -> list[Result]:
                 "host_step",
                 f"begin_step+process_output/{preset}",
                 [shape.num_layers, shape.top_k],
-                shape.dtype.name,
+                shape.np_dtype.name,
                 name,
                 samples,
                 preset=preset,

@@ -38,6 +38,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from bench.models import MODELS, ModelShape
+
 HAS_CUDA = torch.cuda.is_available()
 if not HAS_CUDA:
     # The kernels decide at import time whether they are interpreted.
@@ -55,31 +57,6 @@ from r3capture.kernels import (  # noqa: E402
 HASH_BLOCK = 16
 MAX_NUM_BATCHED_TOKENS = 8192
 QUANTILES = [0.5, 0.2, 0.8]  # do_bench wants a list
-
-
-@dataclass(frozen=True)
-class ModelShape:
-    name: str
-    num_layers: int
-    top_k: int
-    num_experts: int
-
-    @property
-    def dtype(self) -> torch.dtype:
-        return torch.uint8 if self.num_experts <= 256 else torch.uint16
-
-    @property
-    def row_elems(self) -> int:
-        return self.num_layers * self.top_k
-
-
-MODELS = (
-    ModelShape("Qwen3-30B-A3B", 48, 8, 128),
-    ModelShape("DeepSeek-V3", 61, 8, 256),
-    ModelShape("Kimi-K2", 61, 8, 384),
-    ModelShape("gpt-oss-120b", 36, 4, 128),
-    ModelShape("Mixtral-8x7B", 32, 2, 8),
-)
 
 
 @dataclass(frozen=True)

@@ -19,23 +19,8 @@ from types import SimpleNamespace
 
 import numpy as np
 
+from bench.models import ModelShape
 from r3capture.aux_output.types import AuxOutputConnectorMetadata, PackedBlockHashes
-
-
-@dataclass(frozen=True)
-class ModelShape:
-    name: str
-    num_layers: int
-    top_k: int
-    num_experts: int
-
-    @property
-    def dtype(self) -> np.dtype:
-        return np.dtype(np.uint8 if self.num_experts <= 256 else np.uint16)
-
-
-QWEN3_30B_A3B = ModelShape("Qwen3-30B-A3B", 48, 8, 128)
-KIMI_K2 = ModelShape("Kimi-K2", 61, 8, 384)
 
 
 @dataclass
