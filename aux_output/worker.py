@@ -537,12 +537,9 @@ class TritonAuxOutputWorker:
     def _gather_rows(self, index: np.ndarray) -> np.ndarray:
         """Fresh ``[n, L, K]`` array of arena rows ``index`` (int64 ``[n]``)."""
         L, K = self.shape_per_token
-        arena = self._store.arena
-        row_bytes = arena.shape[1] // self.block_size
-        out = torch.empty((len(index), row_bytes), dtype=torch.uint8)
-        # torch copies each row with one memcpy; numpy's fancy indexing goes element-wise.
-        torch.index_select(arena.view(-1, row_bytes), 0, torch.from_numpy(index), out=out)
-        return out.numpy().view(self.dtype).reshape(len(index), L, K)
+        arena = self._store.arena_np
+        rows = arena.reshape(arena.shape[0] * self.block_size, -1)
+        return np.take(rows, index, axis=0).view(self.dtype).reshape(len(index), L, K)
 
     def _commit(self, pending: PendingStep) -> dict[str, AuxRequestOutput]:
         B = self.block_size
