@@ -215,6 +215,8 @@ class TritonAuxOutputWorker:
             for _ in range(max_concurrent_batches)
         ]
         self._max_num_seqs = max_num_seqs
+        # What crossed (or, on a CPU, would cross) from the device to the host, cumulative.
+        self.transfer_stats = {"steps": 0, "rows": 0, "bytes": 0}
 
     # ------------------------------------------------------------------ setup helpers
     def _pick_destination(self, requested: str) -> str:
@@ -587,6 +589,7 @@ class TritonAuxOutputWorker:
             ),
         )
         self._check_kernel(pending, capture_starts if pending.exact else starts, accepted)
+        self._count_transfer(pending)
         rows_np = self._arena_rows_np()
         if pending.exact:
             moved = np.empty(0, np.int64)
@@ -630,6 +633,21 @@ class TritonAuxOutputWorker:
         for mask, message in checks:
             if mask[first]:
                 raise AuxOutputProtocolError(f"{message}: request={request_ids[first]}")
+
+    def _count_transfer(self, pending: PendingStep) -> None:
+        stats = self.transfer_stats
+        stats["steps"] += 1
+        if pending.staging is not None:
+            # The staging copy moves whole slots.
+            host = pending.staging.host
+            stats["rows"] += host.shape[0] * host.shape[1]
+            stats["bytes"] += host.numel() * host.element_size()
+        elif pending.step_info is not None:
+            # Direct writes: exactly the rows the kernel wrote.
+            rows = int(pending.step_info[:, 1].clip(min=0).sum())
+            L, K = self.shape_per_token
+            stats["rows"] += rows
+            stats["bytes"] += rows * L * K * self.dtype.itemsize
 
     def _check_kernel(
         self, pending: PendingStep, expected_starts: np.ndarray, accepted: np.ndarray

@@ -68,9 +68,11 @@ def run_step(worker, metadata, batch, rejected=None, sampled=None, positions=Tru
         fields["positions"] = torch.from_numpy(
             np.concatenate([np.arange(s, s + c) for _, _, s, c in batch] or [np.zeros(0)])
         ).long()
-    pending = worker.prepare_output(SimpleNamespace(**fields))
     n = len(batch)
     rejected = np.zeros(n, np.int32) if rejected is None else np.asarray(rejected, np.int32)
+    # What the plugin does: the step's device rejected counts reach the kernel.
+    worker.set_step_num_rejected(torch.from_numpy(rejected))
+    pending = worker.prepare_output(SimpleNamespace(**fields))
     sampled = np.ones(n, np.int32) if sampled is None else np.asarray(sampled, np.int32)
     pending.enqueue_cpu_copy(num_sampled=sampled, num_rejected=rejected)
     return pending.process_output()
@@ -97,6 +99,9 @@ def test_prefill_then_speculative_decode(destination, positions):
     )
     assert out["a"].token_start == 10
     assert np.array_equal(out["a"].rows, routes(1, 10, 2).astype(np.uint8))
+    if destination == "direct" and positions:
+        # 10 prefill rows, then 2 of 4 speculative rows: rejected rows never reach the host.
+        assert worker.transfer_stats == {"steps": 2, "rows": 12, "bytes": 12 * ROW_BYTES}
     stored = worker.store.get_array([f"vllm-artifact/0/{(bytes([1, 1]) * 4).hex()}"])
     assert stored.tobytes() == routes(1, 4, 4).astype(np.uint8).tobytes()
     worker.close()
