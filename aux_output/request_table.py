@@ -80,8 +80,7 @@ class RequestTable:
 
     def rows(self, request_ids: Sequence[str]) -> np.ndarray:
         """int64 row of each id; ``KeyError`` names an id without state."""
-        index = self.index
-        return np.fromiter((index[r] for r in request_ids), np.int64, len(request_ids))
+        return np.fromiter(map(self.index.__getitem__, request_ids), np.int64, len(request_ids))
 
     def remove(self, request_id: str) -> list[int]:
         """Drop a request; returns its unbound slots for the caller to free."""

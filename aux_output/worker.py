@@ -31,6 +31,7 @@ import logging
 import threading
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from itertools import repeat
 from typing import Any
 
 import numpy as np
@@ -300,7 +301,7 @@ class TritonAuxOutputWorker:
             if metadata.requests:
                 index = table.index
                 ids = list(metadata.requests)
-                rows = np.fromiter((index.get(r, -1) for r in ids), np.int64, len(ids))
+                rows = np.fromiter(map(index.get, ids, repeat(-1)), np.int64, len(ids))
                 for at in np.flatnonzero(rows < 0).tolist():
                     rows[at] = table.add(ids[at], metadata.requests[ids[at]])
                 emit_starts = np.fromiter(metadata.requests.values(), np.int64, len(rows))
@@ -312,7 +313,7 @@ class TritonAuxOutputWorker:
                 row = table.index[request_id]
                 keys = block_keys(hashes, self._generation)
                 table.add_keys(row, keys)
-                retain_keys.extend(keys)
+                retain_keys += keys
                 updated.append(row)
             finished_now: list[str] = []
             for request_id in metadata.finished_requests:
@@ -590,10 +591,16 @@ class TritonAuxOutputWorker:
         emit_starts = table.emit[rows]
         table.cursor[rows] = token_ends
         table.scheduled[rows] = starts + num_tokens
-        emits = (sampled > 0) & (emit_starts <= token_ends)
-        direct = np.flatnonzero(emits & (emit_starts >= capture_starts))
-        materialize = np.flatnonzero(emits & (emit_starts < capture_starts))
-        table.emit[rows[direct]] = token_ends[direct]
+        if sampled.min() > 0 and np.array_equal(emit_starts, capture_starts):
+            # Decode-like steps: every request emits exactly the rows it captured.
+            direct = np.arange(num_reqs)
+            materialize = direct[:0]
+            table.emit[rows] = token_ends
+        else:
+            emits = (sampled > 0) & (emit_starts <= token_ends)
+            direct = np.flatnonzero(emits & (emit_starts >= capture_starts))
+            materialize = np.flatnonzero(emits & (emit_starts < capture_starts))
+            table.emit[rows[direct]] = token_ends[direct]
 
         # Copy emitted rows out before any slot can be bound (and later reused).
         outputs = self._emit(pending, direct, emit_starts, token_ends, moved, rows_np)
@@ -666,7 +673,8 @@ class TritonAuxOutputWorker:
             stats["bytes"] += host.numel() * host.element_size()
         elif pending.step_info is not None:
             # Direct writes: exactly the rows the kernel wrote.
-            rows = int(pending.step_info[:, 1].clip(min=0).sum())
+            # Only reached once every request's status was checked to be OK.
+            rows = int(pending.step_info[:, 1].sum())
             L, K = self.shape_per_token
             stats["rows"] += rows
             stats["bytes"] += rows * L * K * self.dtype.itemsize

@@ -475,6 +475,10 @@ class BlockStore:
         deque(map(lru.move_to_end, filter(lru.__contains__, keys)), maxlen=0)
 
     def _check_releases(self, retains: tuple[str, ...], releases: tuple[str, ...]) -> None:
+        distinct = set(releases)
+        if len(distinct) == len(releases) and distinct <= self._refs.keys():
+            # Each key released once and already held: the common case, checked in C.
+            return
         added = Counter(retains)
         for key, count in Counter(releases).items():
             held = self._refs.get(key, 0) + added[key]
