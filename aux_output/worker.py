@@ -77,6 +77,8 @@ class PendingStep:
         self.staging = staging
         # Rows were written at their true positions (device positions were given).
         self.exact = False
+        # Which of the per-step buffers (step info, staging) this step uses.
+        self.ring = 0
         self.num_sampled: np.ndarray | None = None
         self.num_rejected: np.ndarray | None = None
 
@@ -89,7 +91,7 @@ class PendingStep:
         self.num_rejected = num_rejected
         info = self.step_info_device
         if info is not None:
-            self.step_info = self.worker._copy_to_host(info)
+            self.step_info = self.worker._copy_to_host(info, self.ring)
         if self.staging is not None:
             self.staging.start()
 
@@ -215,6 +217,17 @@ class TritonAuxOutputWorker:
             torch.zeros((max_num_seqs, 3), dtype=torch.int32, device=self.device)
             for _ in range(max_concurrent_batches)
         ]
+        self._info_host_ring = (
+            [
+                torch.zeros((max_num_seqs, 3), dtype=torch.int32, pin_memory=True)
+                for _ in range(max_concurrent_batches)
+            ]
+            if self.device.type == "cuda"
+            else []
+        )
+        # Pinned host and device slot tables, reused every step.
+        self._table_host: torch.Tensor | None = None
+        self._table_dev: torch.Tensor | None = None
         self._max_num_seqs = max_num_seqs
         # What crossed (or, on a CPU, would cross) from the device to the host, cumulative.
         self.transfer_stats = {"steps": 0, "rows": 0, "bytes": 0}
@@ -254,12 +267,29 @@ class TritonAuxOutputWorker:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
 
-    def _copy_to_host(self, tensor: torch.Tensor) -> np.ndarray:
+    def _copy_to_host(self, tensor: torch.Tensor, ring: int) -> np.ndarray:
+        """Start the copy of a step's ``step_info`` into its pinned host buffer."""
         if tensor.device.type == "cpu":
             return tensor.numpy()
-        host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
+        host = self._info_host_ring[ring][: tensor.shape[0]]
         host.copy_(tensor, non_blocking=True)
         return host.numpy()
+
+    def _device_table(self, table: np.ndarray) -> torch.Tensor:
+        """``table`` on the device through buffers reused across steps (grown, rarely)."""
+        if self.device.type == "cpu":
+            return torch.from_numpy(table)
+        if self._table_host is None or self._table_host.numel() < table.size:
+            size = max(
+                table.size, 2 * (0 if self._table_host is None else self._table_host.numel())
+            )
+            self._table_host = torch.empty(size, dtype=torch.int64, pin_memory=True)
+            self._table_dev = torch.empty(size, dtype=torch.int64, device=self.device)
+        host = self._table_host[: table.size].view(table.shape)
+        host.numpy()[...] = table
+        device = self._table_dev[: table.size].view(table.shape)
+        device.copy_(host, non_blocking=True)
+        return device
 
     @property
     def store(self) -> BlockStore | None:
@@ -366,6 +396,7 @@ class TritonAuxOutputWorker:
                 self, request_ids, rows, token_starts, qsl, first_blocks, table, step_info, staging
             )
             pending.exact = positions is not None
+            pending.ring = (self._step_count - 1) % self._max_concurrent_batches
             self._pending.append(pending)
             self._requests.pending[rows] += 1
         return pending
@@ -507,7 +538,7 @@ class TritonAuxOutputWorker:
         else:
             dest = self._arena_rows_view()
             kernel_table = table
-        slot_table = torch.from_numpy(kernel_table).to(device, non_blocking=True)
+        slot_table = self._device_table(kernel_table)
         step_info = self._info_ring[self._step_count % len(self._info_ring)][:num_reqs]
         self._step_count += 1
         gather_pack(
