@@ -507,7 +507,6 @@ class TritonAuxOutputWorker:
     ) -> tuple[torch.Tensor | None, _StagingCopy | None]:
         if num_reqs == 0:
             return None, None
-        device = self.device
         qsl_dev = self._qsl_dev[: num_reqs + 1]
         qsl_dev.copy_(torch.from_numpy(qsl), non_blocking=True)
         if positions is not None:
