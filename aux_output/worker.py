@@ -20,9 +20,11 @@ Outputs (``AuxRequestOutput`` per request per step) and protocol errors are thos
 
 Slots: a request owns the store slots of its *unbound* blocks, a contiguous range of block
 indices starting at ``base_block`` (blocks are completed and keyed in order, so everything
-below is bound or belongs to a cached prefix). Rows are placed at the scheduler's token
-start; when async scheduling reattaches a request after a rejected speculative suffix,
-the host moves the few affected rows down to the capture cursor before using them.
+below is bound or belongs to a cached prefix). The kernel places each row at its true
+position, read on the device from the batch's ``positions`` (under async scheduling a
+request reattaches below the scheduler's optimistic start after a rejected speculative
+suffix). Without 1-D ``positions`` (e.g. M-RoPE's ``[3, T]``) rows land at the scheduler's
+start in per-step staging and the host moves a reattached request's rows before use.
 """
 
 from __future__ import annotations
