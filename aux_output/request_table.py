@@ -98,27 +98,25 @@ class RequestTable:
             self.remove(request_id)
         return slots
 
-    def add_keys(self, row: int, keys: list[str]) -> None:
-        self.keys[row].extend(keys)
-        self.num_keys[row] = len(self.keys[row])
+    def keys_added(self, rows: list[int]) -> None:
+        """Refresh ``num_keys`` of ``rows`` after their key lists were extended in place."""
+        if rows:
+            keys = self.keys
+            self.num_keys[rows] = [len(keys[row]) for row in rows]
+
+    def handed_over(self, rows: np.ndarray, counts: np.ndarray) -> None:
+        """Advance ``base`` of ``rows`` by ``counts`` after the caller removed that many
+        leading slots from each row's list (their blocks went to the store)."""
+        self.base[rows] += counts
+        self.num_slots[rows] -= counts
+        emptied = rows[self.num_slots[rows] == 0]
+        self.tail[emptied] = -1
 
     def extend_slots(self, row: int, slots: list[int]) -> None:
         own = self.slots[row]
         own.extend(slots)
         self.num_slots[row] = len(own)
         self.tail[row] = own[-1] if own else -1
-
-    def take_bound(self, row: int, count: int) -> tuple[list[str], list[int]]:
-        """Hand blocks ``base .. base + count`` over to the store: their keys and slots."""
-        base = int(self.base[row])
-        own = self.slots[row]
-        keys = self.keys[row][base : base + count]
-        slots = own[:count]
-        del own[:count]
-        self.base[row] = base + count
-        self.num_slots[row] = len(own)
-        self.tail[row] = own[-1] if own else -1
-        return keys, slots
 
     def slot_rows(self, row: int, start: int, end: int, block_size: int) -> np.ndarray:
         """Arena row index of each token position ``start .. end`` (unbound blocks only)."""

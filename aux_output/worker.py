@@ -341,12 +341,14 @@ class TritonAuxOutputWorker:
                 ahead = (table.pending[rows] == 0) & (emit_starts > table.emit[rows])
                 require(not ahead.any(), "auxiliary output Scheduler emit cursor moved ahead")
             updated: list[int] = []
+            index, own_keys = table.index, table.keys
             for request_id, hashes in metadata.block_hashes.items():
-                row = table.index[request_id]
+                row = index[request_id]
                 keys = block_keys(hashes, self._generation)
-                table.add_keys(row, keys)
+                own_keys[row] += keys
                 retain_keys += keys
                 updated.append(row)
+            table.keys_added(updated)
             finished_now: list[str] = []
             for request_id in metadata.finished_requests:
                 row = table.index[request_id]
@@ -854,12 +856,19 @@ class TritonAuxOutputWorker:
         slots: list[int] = []
         if rows.size:
             cursor = table.cursor[rows]
-            ready = np.minimum(table.num_keys[rows], cursor // self.block_size) - table.base[rows]
+            bases = table.base[rows]
+            ready = np.minimum(table.num_keys[rows], cursor // self.block_size) - bases
             ready[cursor == NO_CURSOR] = 0
-            for i in np.flatnonzero(ready > 0).tolist():
-                bound_keys, bound_slots = table.take_bound(int(rows[i]), int(ready[i]))
-                keys.extend(bound_keys)
-                slots.extend(bound_slots)
+            chosen = np.flatnonzero(ready > 0)
+            if chosen.size:
+                rows, bases, ready = rows[chosen], bases[chosen], ready[chosen]
+                own_keys, own_slots = table.keys, table.slots
+                for row, base, count in zip(rows.tolist(), bases.tolist(), ready.tolist()):
+                    keys += own_keys[row][base : base + count]
+                    own = own_slots[row]
+                    slots += own[:count]
+                    del own[:count]
+                table.handed_over(rows, ready)
         if keys or retain_keys or release_keys:
             self._store.bind(
                 keys,

@@ -460,6 +460,14 @@ class BlockStore:
         (``Counter``, set algebra, ``map``) except for keys that were already referenced.
         """
         refs, lru = self._refs, self._lru
+        if len(retains) < 64:
+            # A step's few new hashes: a plain loop beats the set algebra's fixed cost.
+            for key in retains:
+                count = refs.get(key, 0)
+                if not count:
+                    lru.pop(key, None)
+                refs[key] = count + 1
+            return
         counts = Counter(retains)
         held = counts.keys() & refs.keys() if refs else ()
         for key in held:
