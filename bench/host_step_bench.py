@@ -86,48 +86,56 @@ def _run_step(handle, step, torch_rows):
     return outputs, host, w3 - w2, (w1 - w0) + (w5 - w3)
 
 
-def bench_preset(shape: ModelShape, preset: str, seed: int = 0) -> list[Result]:
+def bench_preset(shape: ModelShape, preset: str, seed: int = 0, repeats: int = 3) -> list[Result]:
+    """Replay the preset's trace ``repeats`` times (fresh connectors each time) and pool the
+    timed steps: presets with few steps (prefill) get enough samples for a stable median."""
     import torch
 
     steps, max_tokens, max_seqs = build_trace(preset, shape, block_size=BLOCK_SIZE, seed=seed)
     sizes = _sizes(shape, max_tokens, max_seqs, steps)
-    handles = {
-        "vllm-0.33.0": make_vllm_worker(sizes),
-        "r3capture": make_r3capture_worker(sizes, kernel_impl="reference"),
-    }
-    host = {name: [] for name in handles}
-    prepare = {name: [] for name in handles}
-    drained = {name: [] for name in handles}
+    names = ("vllm-0.33.0", "r3capture")
+    host = {name: [] for name in names}
+    prepare = {name: [] for name in names}
+    drained = {name: [] for name in names}
     identical = True
     row_bytes = shape.num_layers * shape.top_k * shape.np_dtype.itemsize
     vllm_bytes, our_bytes = [], []
     gc_was_enabled = gc.isenabled()
     gc.disable()
     try:
-        for index, step in enumerate(steps):
-            torch_rows = torch.from_numpy(step.rows)
-            order = list(handles) if index % 2 == 0 else list(reversed(handles))
-            results = {}
-            for name in order:
-                outputs, host_ns, prep_ns, drained_ns = _run_step(handles[name], step, torch_rows)
-                results[name] = outputs
-                if step.timed:
-                    host[name].append(host_ns)
-                    prepare[name].append(prep_ns)
-                    drained[name].append(drained_ns)
-            identical &= _same(results["vllm-0.33.0"], results["r3capture"])
-            if step.timed:
-                vllm_bytes.append(step.num_rows * row_bytes)
-                our_bytes.append(step.accepted_rows * row_bytes)
-            gc.collect(0)
+        for _ in range(repeats):
+            handles = {
+                "vllm-0.33.0": make_vllm_worker(sizes),
+                "r3capture": make_r3capture_worker(sizes, kernel_impl="reference"),
+            }
+            try:
+                for index, step in enumerate(steps):
+                    torch_rows = torch.from_numpy(step.rows)
+                    order = list(handles) if index % 2 == 0 else list(reversed(handles))
+                    results = {}
+                    for name in order:
+                        outputs, host_ns, prep_ns, drained_ns = _run_step(
+                            handles[name], step, torch_rows
+                        )
+                        results[name] = outputs
+                        if step.timed:
+                            host[name].append(host_ns)
+                            prepare[name].append(prep_ns)
+                            drained[name].append(drained_ns)
+                    identical &= _same(results["vllm-0.33.0"], results["r3capture"])
+                    if step.timed:
+                        vllm_bytes.append(step.num_rows * row_bytes)
+                        our_bytes.append(step.accepted_rows * row_bytes)
+                    gc.collect(0)
+            finally:
+                for handle in handles.values():
+                    handle.close()
     finally:
         if gc_was_enabled:
             gc.enable()
-        for handle in handles.values():
-            handle.close()
 
     rows = []
-    for name in handles:
+    for name in names:
         samples = np.asarray(host[name], dtype=np.int64)
         rows.append(
             make_result(
