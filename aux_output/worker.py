@@ -65,6 +65,8 @@ class PendingStep:
         slot_table: np.ndarray,
         step_info: torch.Tensor | None,
         staging: _StagingCopy | None,
+        exact: bool,
+        ring: int,
     ) -> None:
         self.worker = worker
         self.request_ids = request_ids
@@ -78,9 +80,9 @@ class PendingStep:
         self.step_info: np.ndarray | None = None
         self.staging = staging
         # Rows were written at their true positions (device positions were given).
-        self.exact = False
+        self.exact = exact
         # Which of the per-step buffers (step info, staging) this step uses.
-        self.ring = 0
+        self.ring = ring
         self.num_sampled: np.ndarray | None = None
         self.num_rejected: np.ndarray | None = None
 
@@ -397,10 +399,18 @@ class TritonAuxOutputWorker:
                 num_reqs, qsl, token_starts, positions, first_blocks, table, num_rejected
             )
             pending = PendingStep(
-                self, request_ids, rows, token_starts, qsl, first_blocks, table, step_info, staging
+                self,
+                request_ids,
+                rows,
+                token_starts,
+                qsl,
+                first_blocks,
+                table,
+                step_info,
+                staging,
+                exact=positions is not None,
+                ring=(self._step_count - 1) % self._max_concurrent_batches,
             )
-            pending.exact = positions is not None
-            pending.ring = (self._step_count - 1) % self._max_concurrent_batches
             self._pending.append(pending)
             self._requests.pending[rows] += 1
         return pending
