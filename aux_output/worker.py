@@ -620,11 +620,11 @@ class TritonAuxOutputWorker:
             capture_starts = self._check_capture(pending, cursor, rejected, accepted)
         self._check_kernel(pending, capture_starts if pending.exact else starts, accepted)
         self._count_transfer(pending)
-        rows_np = self._arena_rows_np()
         if pending.exact:
             moved = np.empty(0, np.int64)
         else:
             moved = np.flatnonzero((accepted > 0) & (capture_starts != starts))
+        rows_np = self._arena_rows_np() if moved.size else None
         for i in moved.tolist():
             # Rows were placed at the scheduler's optimistic start; they belong at the cursor.
             row, count = int(rows[i]), int(accepted[i])
@@ -647,7 +647,7 @@ class TritonAuxOutputWorker:
             table.emit[rows[direct]] = token_ends[direct]
 
         # Copy emitted rows out before any slot can be bound (and later reused).
-        outputs = self._emit(pending, direct, emit_starts, token_ends, moved, rows_np)
+        outputs = self._emit(pending, direct, emit_starts, token_ends, moved)
         # Publish the whole step before materializing: a hit may need a block from it.
         self._publish(rows, (), ())
         for i in materialize.tolist():
@@ -753,14 +753,16 @@ class TritonAuxOutputWorker:
         emit_starts: np.ndarray,
         token_ends: np.ndarray,
         moved: np.ndarray,
-        rows_np: np.ndarray,
     ) -> dict[str, AuxRequestOutput]:
         """Rows ``emit_start .. token_end`` of each ``direct`` request, in one gather."""
         if direct.size == 0:
             return {}
         B = self.block_size
-        starts = emit_starts[direct]
-        counts = token_ends[direct] - starts
+        if len(direct) == len(emit_starts):
+            starts, counts = emit_starts, token_ends - emit_starts
+        else:
+            starts = emit_starts[direct]
+            counts = token_ends[direct] - starts
         uniform = counts.min() == counts.max()
         if moved.size == 0 and uniform and counts[0] == 1:
             # Decode steps: one row per request, no per-row expansion needed.
