@@ -120,26 +120,19 @@ def make_vllm_worker(sizes: WorkerSizes, *, is_output_rank: bool = True) -> Work
     worker._max_concurrent_batches = sizes.max_concurrent_batches
     worker._store = None
     worker._buffer = None
-    if not is_output_rank:
-        return WorkerHandle(
-            "vllm",
-            worker,
-            capturer.device_buffer,
-            lambda batch, _num_rejected: worker.prepare_output(batch),
-            lambda: len(worker._requests),
+    if is_output_rank:
+        worker._store = BackgroundBlockObjectStore(
+            BlockObjectStore(max_bytes=sizes.max_bytes, object_nbytes=sizes.object_nbytes),
+            max_pending_batches=2 * sizes.max_num_seqs,
         )
-    worker._store = BackgroundBlockObjectStore(
-        BlockObjectStore(max_bytes=sizes.max_bytes, object_nbytes=sizes.object_nbytes),
-        max_pending_batches=2 * sizes.max_num_seqs,
-    )
-    worker._buffer = RoutedExpertsBuffer(
-        sizes.dtype,
-        sizes.shape_per_token,
-        sizes.hash_block_size,
-        sizes.max_num_seqs,
-        sizes.max_num_batched_tokens,
-        sizes.max_concurrent_batches,
-    )
+        worker._buffer = RoutedExpertsBuffer(
+            sizes.dtype,
+            sizes.shape_per_token,
+            sizes.hash_block_size,
+            sizes.max_num_seqs,
+            sizes.max_num_batched_tokens,
+            sizes.max_concurrent_batches,
+        )
     return WorkerHandle(
         "vllm",
         worker,
