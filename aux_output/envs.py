@@ -27,3 +27,18 @@ def destination() -> str:
     """R3CAPTURE_DESTINATION: where the kernel writes rows. auto (pinned host arena when the
     GPU can write it directly, else device staging) | direct | staging."""
     return _choice("R3CAPTURE_DESTINATION")
+
+
+def output_pool_bytes() -> int:
+    """R3CAPTURE_OUTPUT_POOL_BYTES: most host bytes the worker keeps for recycling large
+    output arrays (default 256 MiB; 0 turns recycling off)."""
+    raw = os.environ.get("R3CAPTURE_OUTPUT_POOL_BYTES", "").strip()
+    if not raw:
+        return 256 << 20
+    try:
+        value = int(raw)
+    except ValueError:
+        value = -1
+    if value < 0:
+        raise ValueError(f"R3CAPTURE_OUTPUT_POOL_BYTES={raw!r} is not a byte count >= 0")
+    return value

@@ -41,6 +41,7 @@ import torch
 
 from r3capture.aux_output import envs
 from r3capture.aux_output.errors import AuxOutputProtocolError, require
+from r3capture.aux_output.output_pool import OutputPool
 from r3capture.aux_output.request_table import NO_CURSOR, RequestTable
 from r3capture.aux_output.types import AuxOutputConnectorMetadata, AuxRequestOutput, block_keys
 from r3capture.kernels import can_write_host_directly, gather_pack
@@ -135,6 +136,8 @@ class TritonAuxOutputWorker:
         is_output_rank: only the first TP rank owns the data plane.
         destination: ``direct`` | ``staging`` | ``auto``/None (env R3CAPTURE_DESTINATION).
         kernel_impl: ``triton`` | ``reference`` | ``auto``/None (env R3CAPTURE_KERNEL_IMPL).
+        output_pool_bytes: host bytes kept for recycling large output arrays once their
+            consumers drop them; None reads R3CAPTURE_OUTPUT_POOL_BYTES, 0 turns it off.
     """
 
     def __init__(
@@ -152,6 +155,7 @@ class TritonAuxOutputWorker:
         is_output_rank: bool = True,
         destination: str | None = None,
         kernel_impl: str | None = None,
+        output_pool_bytes: int | None = None,
     ) -> None:
         dtype = np.dtype(dtype)
         if dtype not in _TORCH_DTYPES:
@@ -192,6 +196,9 @@ class TritonAuxOutputWorker:
         self._store: BlockStore | None = None
         if not is_output_rank:
             return
+        if output_pool_bytes is None:
+            output_pool_bytes = envs.output_pool_bytes()
+        self._output_pool = OutputPool(max_bytes=output_pool_bytes)
 
         block_nbytes = self.block_size * L * K * dtype.itemsize
         # Blocks a step can touch, plus each request's open block, for every step in
@@ -582,11 +589,22 @@ class TritonAuxOutputWorker:
         return self._store.arena_np.view(self.dtype).reshape(-1, L, K)
 
     def _gather_rows(self, index: np.ndarray) -> np.ndarray:
-        """Fresh ``[n, L, K]`` array of arena rows ``index`` (int64 ``[n]``)."""
+        """``[n, L, K]`` array of arena rows ``index`` (int64 ``[n]``) in memory it owns."""
         L, K = self.shape_per_token
         arena = self._store.arena_np
         rows = arena.reshape(arena.shape[0] * self.block_size, -1)
-        return np.take(rows, index, axis=0).view(self.dtype).reshape(len(index), L, K)
+        if len(index) * rows.shape[1] < self._output_pool.min_nbytes:
+            # Small: numpy's take has the lower fixed cost, and malloc serves mapped memory.
+            return np.take(rows, index, axis=0).view(self.dtype).reshape(len(index), L, K)
+        out = self._output_pool.empty((len(index), L, K), self.dtype)
+        # torch copies each row with one memcpy; np.take(out=) goes element by element.
+        torch.index_select(
+            torch.from_numpy(rows),
+            0,
+            torch.from_numpy(index),
+            out=torch.from_numpy(out.reshape(len(index), -1).view(np.uint8)),
+        )
+        return out
 
     def _commit(self, pending: PendingStep) -> dict[str, AuxRequestOutput]:
         B = self.block_size
@@ -808,7 +826,7 @@ class TritonAuxOutputWorker:
         B = self.block_size
         keys = self._requests.keys[row]
         stored_end = min(token_end // B, len(keys)) * B
-        out = np.empty((token_end - emit_start, *self.shape_per_token), self.dtype)
+        out = self._output_pool.empty((token_end - emit_start, *self.shape_per_token), self.dtype)
         read_from = emit_start
         if emit_start < stored_end:
             slots = self._store.lookup_slots(keys[emit_start // B : stored_end // B])
