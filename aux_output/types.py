@@ -67,9 +67,28 @@ def block_keys(block_hashes: PackedBlockHashes | None, generation: int) -> list[
     return [prefix + text[i : i + width] for i in range(0, len(text), width)]
 
 
+def block_keys_of_requests(
+    block_hashes: dict[str, PackedBlockHashes | None], generation: int
+) -> tuple[list[str], list[int]]:
+    """Every request's store keys, concatenated in the dict's order, and the count per request.
+
+    One ``hex()`` over all requests' hashes: a speculative step completes blocks in dozens of
+    requests, and a call per request cost more than the keys themselves.
+    """
+    datas = [b"" if h is None else h.data for h in block_hashes.values()]
+    sizes = {h.item_size for h in block_hashes.values() if h is not None}
+    if len(sizes) > 1:
+        per_request = [block_keys(h, generation) for h in block_hashes.values()]
+        return [key for keys in per_request for key in keys], [len(k) for k in per_request]
+    item_size = sizes.pop() if sizes else 1
+    keys = block_keys(PackedBlockHashes(b"".join(datas), item_size), generation)
+    return keys, [len(data) // item_size for data in datas]
+
+
 __all__ = [
     "AuxOutputConnectorMetadata",
     "AuxRequestOutput",
     "PackedBlockHashes",
     "block_keys",
+    "block_keys_of_requests",
 ]

@@ -43,7 +43,12 @@ from r3capture.aux_output import envs
 from r3capture.aux_output.errors import AuxOutputProtocolError, require
 from r3capture.aux_output.output_pool import OutputPool
 from r3capture.aux_output.request_table import NO_CURSOR, RequestTable
-from r3capture.aux_output.types import AuxOutputConnectorMetadata, AuxRequestOutput, block_keys
+from r3capture.aux_output.types import (
+    AuxOutputConnectorMetadata,
+    AuxRequestOutput,
+    block_keys,
+    block_keys_of_requests,
+)
 from r3capture.kernels import can_write_host_directly, gather_pack
 from r3capture.store import BlockStore
 
@@ -350,13 +355,16 @@ class TritonAuxOutputWorker:
                 ahead = (table.pending[rows] == 0) & (emit_starts > table.emit[rows])
                 require(not ahead.any(), "auxiliary output Scheduler emit cursor moved ahead")
             updated: list[int] = []
-            index, own_keys = table.index, table.keys
-            for request_id, hashes in metadata.block_hashes.items():
-                row = index[request_id]
-                keys = block_keys(hashes, self._generation)
-                own_keys[row] += keys
+            if metadata.block_hashes:
+                index, own_keys = table.index, table.keys
+                keys, counts = block_keys_of_requests(metadata.block_hashes, self._generation)
+                end = 0
+                for request_id, count in zip(metadata.block_hashes, counts):
+                    row = index[request_id]
+                    own_keys[row] += keys[end : end + count]
+                    end += count
+                    updated.append(row)
                 retain_keys += keys
-                updated.append(row)
             table.keys_added(updated)
             finished_now: list[str] = []
             for request_id in metadata.finished_requests:
