@@ -484,9 +484,12 @@ class BlockStore:
 
     def _check_releases(self, retains: tuple[str, ...], releases: tuple[str, ...]) -> None:
         distinct = set(releases)
-        if len(distinct) == len(releases) and distinct <= self._refs.keys():
-            # Each key released once and already held: the common case, checked in C.
-            return
+        if len(distinct) == len(releases):
+            # Each key released once: it needs one reference, held already or retained in
+            # this call (a finishing request's last hashes). Checked in C, no per-key loop.
+            unheld = distinct - self._refs.keys()
+            if not unheld or unheld <= set(retains):
+                return
         added = Counter(retains)
         for key, count in Counter(releases).items():
             held = self._refs.get(key, 0) + added[key]

@@ -288,6 +288,17 @@ def test_release_without_reference_raises_key_error_and_changes_nothing():
     assert store.ref_count("a") == 0
 
 
+def test_release_of_a_key_retained_in_the_same_call():
+    """A finishing request's last hashes are retained and released in one call."""
+    store = make(capacity=3)
+    put(store, "ab", retain="a")
+    put(store, "c", retain="c", release="ac")  # c: held only through this call's retain
+    assert store.ref_count("a") == 0 and store.ref_count("c") == 0
+    with pytest.raises(KeyError, match="'b' released 1 time"):
+        put(store, "", retain="a", release="ab")  # a is covered by the retain, b is not
+    assert store.ref_count("a") == 0
+
+
 def test_allocate_bind_free_lifecycle():
     store = make(capacity=2, reserve=2)
     slots = store.allocate(2)
