@@ -428,16 +428,7 @@ class BlockStore:
             pending = list(unique)
         if retains:
             self._retain(retains)
-        terminal: list[str] = []
-        for key in releases:
-            count = refs[key] - 1
-            if count:
-                refs[key] = count
-                continue
-            del refs[key]
-            if key in slots:
-                lru[key] = None
-            terminal.append(key)
+        terminal = self._release(releases) if releases else []
         lru.update(zip(filterfalse(refs.__contains__, pending) if refs else pending, repeat(None)))
         if terminal:
             self._touch(terminal)
@@ -453,6 +444,29 @@ class BlockStore:
             self._grow(max(bound, 2 * self.num_slots))
         return pending
 
+    def _release(self, releases: tuple[str, ...]) -> list[str]:
+        """Drop one reference per occurrence (retains of the call already applied); return
+        the keys whose last reference went, in order, after appending the stored ones to the
+        LRU in that order."""
+        refs, lru, slots = self._refs, self._lru, self._slots
+        counts = list(map(refs.__getitem__, releases))
+        if counts.count(1) == len(counts) and len(set(releases)) == len(releases):
+            # A finishing request lets go of its own blocks: every count drops to zero.
+            deque(map(refs.__delitem__, releases), maxlen=0)
+            lru.update(zip(filter(slots.__contains__, releases), repeat(None)))
+            return list(releases)
+        terminal: list[str] = []
+        for key in releases:
+            count = refs[key] - 1
+            if count:
+                refs[key] = count
+                continue
+            del refs[key]
+            if key in slots:
+                lru[key] = None
+            terminal.append(key)
+        return terminal
+
     def _retain(self, retains: tuple[str, ...]) -> None:
         """Add one reference per occurrence; a key's first reference takes it off the LRU.
 
@@ -467,6 +481,17 @@ class BlockStore:
                 if not count:
                     lru.pop(key, None)
                 refs[key] = count + 1
+            return
+        distinct = set(retains)
+        if len(distinct) == len(retains):
+            # Each key once (the usual case): no counting needed.
+            held = distinct & refs.keys() if refs else ()
+            for key in held:
+                refs[key] += 1
+            fresh = distinct - held if held else distinct
+            if lru:
+                deque(map(lru.pop, fresh, repeat(None)), maxlen=0)
+            refs.update(zip(fresh, repeat(1)))
             return
         counts = Counter(retains)
         held = counts.keys() & refs.keys() if refs else ()
