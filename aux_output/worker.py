@@ -89,6 +89,7 @@ class PendingStep:
         self.token_starts = token_starts  # int64 [R]
         self.query_start_loc = query_start_loc  # int64 [R + 1]
         self.num_tokens = np.diff(query_start_loc)  # int64 [R]: rows scheduled per request
+        self.num_rows = int(query_start_loc[-1]) if len(query_start_loc) else 0
         self.first_blocks = first_blocks  # int64 [R]
         self.slot_table = slot_table  # int64 [R, M]: store slot of block first_blocks[r] + j
         self.step_info_device = step_info  # int32 [R, 3] written by the kernel
@@ -254,6 +255,7 @@ class TritonAuxOutputWorker:
         self._table_host: torch.Tensor | None = None
         self._table_dev: torch.Tensor | None = None
         self._max_num_seqs = max_num_seqs
+        self._row_ids = np.arange(max_num_seqs, dtype=np.int64)
         # What crossed (or, on a CPU, would cross) from the device to the host, cumulative.
         self.transfer_stats = {"steps": 0, "rows": 0, "bytes": 0}
 
@@ -456,11 +458,14 @@ class TritonAuxOutputWorker:
                 self._pending.remove(pending)
                 rows = pending.rows
                 table.pending[rows] -= 1
-                done = np.flatnonzero((table.pending[rows] == 0) & table.finished[rows])
-                teardown = [pending.request_ids[i] for i in done.tolist()]
+                finished = table.finished[rows]
+                teardown: list[str] = []
                 release_keys: list[str] = []
-                for i in done.tolist():
-                    release_keys.extend(reversed(table.keys[int(rows[i])]))
+                if finished.any():
+                    done = np.flatnonzero((table.pending[rows] == 0) & finished).tolist()
+                    teardown = [pending.request_ids[i] for i in done]
+                    for i in done:
+                        release_keys.extend(reversed(table.keys[int(rows[i])]))
             if teardown:
                 self._publish(np.empty(0, np.int64), (), release_keys)
                 self._teardown(teardown)
@@ -645,12 +650,13 @@ class TritonAuxOutputWorker:
         rejected = np.asarray(num_rejected[:num_reqs], dtype=np.int64)
         sampled = np.asarray(num_sampled[:num_reqs])
         starts = pending.token_starts
-        accepted = num_tokens - rejected
+        no_rejections = not rejected.any()
+        accepted = num_tokens if no_rejections else num_tokens - rejected
         cursor = table.cursor[rows]
         if (
             _equal_ints(cursor, starts)
             and num_tokens.min() > 0
-            and (not rejected.any() or (rejected.min() >= 0 and accepted.min() >= 0))
+            and (no_rejections or (rejected.min() >= 0 and accepted.min() >= 0))
         ):
             # Every request continues exactly at its cursor: no check below can fail.
             capture_starts = starts
@@ -672,12 +678,18 @@ class TritonAuxOutputWorker:
         token_ends = capture_starts + accepted
         emit_starts = table.emit[rows]
         table.cursor[rows] = token_ends
-        table.scheduled[rows] = starts + num_tokens
+        scheduled_ends = token_ends if no_rejections and capture_starts is starts else None
+        table.scheduled[rows] = starts + num_tokens if scheduled_ends is None else scheduled_ends
         if sampled.min() > 0 and _equal_ints(emit_starts, capture_starts):
             # Decode-like steps: every request emits exactly the rows it captured.
+            table.emit[rows] = token_ends
+            if no_rejections and moved.size == 0 and pending.num_rows == num_reqs:
+                # Plain decode: one row per request.
+                outputs = self._emit_single_rows(pending, starts)
+                self._publish(rows, (), ())
+                return outputs
             direct = np.arange(num_reqs)
             materialize = direct[:0]
-            table.emit[rows] = token_ends
         else:
             emits = (sampled > 0) & (emit_starts <= token_ends)
             direct = np.flatnonzero(emits & (emit_starts >= capture_starts))
@@ -777,6 +789,18 @@ class TritonAuxOutputWorker:
                 f"(expected {int(expected_starts[i])}), rows written={written} of "
                 f"{int(accepted[i])} accepted; the device and host rejected counts must agree"
             )
+
+    def _emit_single_rows(
+        self, pending: PendingStep, starts: np.ndarray
+    ) -> dict[str, AuxRequestOutput]:
+        """Each request's one row at position ``starts[r]`` (int64 ``[R]``), in one gather."""
+        B = self.block_size
+        num_reqs = len(starts)
+        column = starts // B - pending.first_blocks
+        index = pending.slot_table[self._row_ids[:num_reqs], column] * B + starts % B
+        emitted = self._gather_rows(index)
+        views = list(emitted.reshape(num_reqs, 1, *emitted.shape[1:]))
+        return dict(zip(pending.request_ids, map(AuxRequestOutput, starts.tolist(), views)))
 
     def _emit(
         self,
