@@ -925,8 +925,8 @@ class TritonAuxOutputWorker:
         if rows.size:
             cursor = table.cursor[rows]
             bases = table.base[rows]
+            # A request without a cursor (NO_CURSOR = -1) gets min(.., -1) - base < 0: none.
             ready = np.minimum(table.num_keys[rows], cursor // self.block_size) - bases
-            ready[cursor == NO_CURSOR] = 0
             chosen = np.flatnonzero(ready > 0)
             if chosen.size:
                 rows, bases, ready = rows[chosen], bases[chosen], ready[chosen]
