@@ -55,9 +55,13 @@ from r3capture.store import BlockStore
 logger = logging.getLogger(__name__)
 
 
+# The step path asks its yes/no questions of [R] arrays with np.count_nonzero and byte
+# comparisons: ndarray.any()/.min() and np.array_equal go through Python-level wrappers and
+# cost three to ten times as much at these sizes, a few times per step.
+
+
 def _equal_ints(a: np.ndarray, b: np.ndarray) -> bool:
-    """``np.array_equal`` for contiguous integer arrays, by bytes when the dtypes match
-    (a tenth of its cost on the per-step ``[R]`` arrays)."""
+    """``np.array_equal`` for integer arrays, by bytes when the dtypes match."""
     if a.dtype == b.dtype and a.shape == b.shape:
         return a.tobytes() == b.tobytes()
     return bool(np.array_equal(a, b))
@@ -365,7 +369,7 @@ class TritonAuxOutputWorker:
                 rows = np.array(found, np.int64)
                 emit_starts = np.fromiter(metadata.requests.values(), np.int64, len(rows))
                 ahead = emit_starts > table.emit[rows]
-                if ahead.any():
+                if np.count_nonzero(ahead):
                     # Only settled requests count: in-flight steps lag the scheduler's view.
                     ahead &= table.pending[rows] == 0
                     require(not ahead.any(), "auxiliary output Scheduler emit cursor moved ahead")
@@ -461,7 +465,7 @@ class TritonAuxOutputWorker:
                 finished = table.finished[rows]
                 teardown: list[str] = []
                 release_keys: list[str] = []
-                if finished.any():
+                if np.count_nonzero(finished):
                     done = np.flatnonzero((table.pending[rows] == 0) & finished).tolist()
                     teardown = [pending.request_ids[i] for i in done]
                     for i in done:
@@ -650,12 +654,12 @@ class TritonAuxOutputWorker:
         rejected = np.asarray(num_rejected[:num_reqs], dtype=np.int64)
         sampled = np.asarray(num_sampled[:num_reqs])
         starts = pending.token_starts
-        no_rejections = not rejected.any()
+        no_rejections = np.count_nonzero(rejected) == 0
         accepted = num_tokens if no_rejections else num_tokens - rejected
         cursor = table.cursor[rows]
         if (
             _equal_ints(cursor, starts)
-            and num_tokens.min() > 0
+            and np.count_nonzero(num_tokens > 0) == num_reqs
             and (no_rejections or (rejected.min() >= 0 and accepted.min() >= 0))
         ):
             # Every request continues exactly at its cursor: no check below can fail.
@@ -680,7 +684,7 @@ class TritonAuxOutputWorker:
         table.cursor[rows] = token_ends
         scheduled_ends = token_ends if no_rejections and capture_starts is starts else None
         table.scheduled[rows] = starts + num_tokens if scheduled_ends is None else scheduled_ends
-        if sampled.min() > 0 and _equal_ints(emit_starts, capture_starts):
+        if np.count_nonzero(sampled > 0) == num_reqs and _equal_ints(emit_starts, capture_starts):
             # Decode-like steps: every request emits exactly the rows it captured.
             table.emit[rows] = token_ends
             if no_rejections and moved.size == 0 and pending.num_rows == num_reqs:
@@ -780,7 +784,7 @@ class TritonAuxOutputWorker:
         if info is None:
             return
         bad = (info[:, 2] != 0) | (info[:, 0] != expected_starts) | (info[:, 1] < accepted)
-        if bad.any():
+        if np.count_nonzero(bad):
             i = int(np.argmax(bad))
             start, written, status = (int(x) for x in info[i])
             raise AuxOutputProtocolError(
