@@ -688,8 +688,9 @@ class TritonAuxOutputWorker:
             # Decode-like steps: every request emits exactly the rows it captured.
             table.emit[rows] = token_ends
             if no_rejections and moved.size == 0 and pending.num_rows == num_reqs:
-                # Plain decode: one row per request.
-                outputs = self._emit_single_rows(pending, starts)
+                # Plain decode: one row per request, at its capture start (which is the
+                # scheduler's start unless the request reattached after a rejection).
+                outputs = self._emit_single_rows(pending, capture_starts)
                 self._publish(rows, (), ())
                 return outputs
             direct = np.arange(num_reqs)

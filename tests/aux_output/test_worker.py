@@ -127,6 +127,32 @@ def test_emitted_rows_do_not_alias_reused_slots():
     worker.close()
 
 
+@pytest.mark.parametrize("positions", [True, False], ids=["positions", "no-positions"])
+def test_single_row_step_after_rejection_reattaches_at_the_cursor(positions):
+    """Async scheduling: the scheduler assumed every draft was accepted and schedules the
+    next token at 12, but two were rejected, so the row belongs at position 10."""
+    worker = make_worker()
+    run_step(worker, meta({"a": 0}, {"a": hashes(1, range(2))}), [("a", 1, 0, 8)])
+    out = run_step(worker, meta({"a": 8}), [("a", 1, 8, 4)], rejected=[2], sampled=[2])
+    assert out["a"].token_start == 8 and len(out["a"].rows) == 2
+    worker.begin_step(meta({"a": 10}))
+    worker.capture_buffer[:1] = torch.from_numpy(routes(1, 10, 1))
+    fields = dict(
+        req_ids=["a"],
+        query_start_loc_np=np.array([0, 1], np.int32),
+        num_computed_tokens_np=np.array([12], np.int32),  # the scheduler's optimistic view
+    )
+    if positions:
+        fields["positions"] = torch.tensor([10])  # the model runner's corrected position
+    worker.set_step_num_rejected(torch.zeros(1, dtype=torch.int32))
+    pending = worker.prepare_output(SimpleNamespace(**fields))
+    pending.enqueue_cpu_copy(num_sampled=np.ones(1, np.int32), num_rejected=np.zeros(1, np.int32))
+    out = pending.process_output()
+    assert out["a"].token_start == 10
+    assert np.array_equal(out["a"].rows, routes(1, 10, 1).astype(np.uint8))
+    worker.close()
+
+
 def test_prefix_hit_materializes_from_the_store():
     worker = make_worker()
     run_step(worker, meta({"a": 0}, {"a": hashes(1, range(2))}), [("a", 1, 0, 9)])
