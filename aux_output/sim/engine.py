@@ -640,8 +640,16 @@ class SimEngine:
             )
             if self.is_async and not prefill_chunk:
                 request.num_output_placeholders += 1 + spec.get(req_id, 0)
-                request.spec_token_ids = [-1] * k
+                request.spec_token_ids = self._propose_drafts()
         return _Scheduled(self.step_index, num_scheduled, spec, computed_before, meta)
+
+    def _propose_drafts(self) -> list[int]:
+        """Placeholder draft ids for a request's next step, or none (no proposer match)."""
+        cfg = self.cfg
+        # Draw only when drafts can be skipped, so traces without the knob keep their stream.
+        if cfg.draft_prob < 1.0 and self.rng.random() >= cfg.draft_prob:
+            return []
+        return [-1] * cfg.num_spec_tokens
 
     # ------------------------------------------------------------------ model runner
 
@@ -866,7 +874,7 @@ class SimEngine:
                 self._finish(request, FINISHED_STOPPED)
             elif generated and not self.is_async and cfg.num_spec_tokens:
                 if request.status == RUNNING:
-                    request.spec_token_ids = [-1] * cfg.num_spec_tokens
+                    request.spec_token_ids = self._propose_drafts()
 
     def _append(
         self, request: SimRequest, tokens: list[int], stale: bool

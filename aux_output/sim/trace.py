@@ -43,7 +43,9 @@ class EngineConfig:
 
     ``max_concurrent_batches=2`` is async scheduling (step N+1 is scheduled, begun and
     prepared before step N's output is processed). ``num_spec_tokens`` drafts per decode
-    step, each accepted with ``accept_prob`` until the first rejection. ``offload_blocks``
+    step, each accepted with ``accept_prob`` until the first rejection; a request gets drafts
+    for a step with ``draft_prob`` (an n-gram proposer often finds no match, so steps of one
+    token per request follow rejected drafts). ``offload_blocks``
     adds an external KV tier (a KV connector double; doubles the scheduler's pin capacity);
     ``async_kv_load`` loads its hits one step later (``request_loading``). ``cap_hits=False``
     leaves out ``max_cache_hit``/``cap_external_hit`` (to reach the store's fail-closed
@@ -61,6 +63,7 @@ class EngineConfig:
     max_concurrent_batches: int = 1
     num_spec_tokens: int = 0
     accept_prob: float = 0.7
+    draft_prob: float = 1.0
     offload_blocks: int = 0
     async_kv_load: bool = False
     cap_hits: bool = True
@@ -270,6 +273,7 @@ def async_spec_trace(seed: int = 0, size: str = "small", **config: object) -> Tr
     defaults = dict(
         num_spec_tokens=3,
         accept_prob=0.5,
+        draft_prob=0.6,
         block_size=8,
         hash_block_size=4,
         max_num_batched_tokens=40,
@@ -420,6 +424,7 @@ def random_trace(seed: int, **overrides: object) -> Trace:
         offload_blocks=offload,
         async_kv_load=bool(offload and r.random() < 0.5),
         pad_tokens_to=int(r.choice([0, 0, 8])),
+        draft_prob=float(r.choice([1.0, 1.0, 0.5])),
     )
     cfg.update(overrides)
     config = EngineConfig(**cfg)  # type: ignore[arg-type]
