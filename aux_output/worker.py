@@ -55,13 +55,13 @@ from r3capture.store import BlockStore
 logger = logging.getLogger(__name__)
 
 
-# The step path asks its yes/no questions of [R] arrays with np.count_nonzero and byte
-# comparisons: ndarray.any()/.min() and np.array_equal go through Python-level wrappers and
-# cost three to ten times as much at these sizes, a few times per step.
-
-
 def _equal_ints(a: np.ndarray, b: np.ndarray) -> bool:
-    """``np.array_equal`` for integer arrays, by bytes when the dtypes match."""
+    """``np.array_equal`` for integer arrays, by bytes when the dtypes match.
+
+    The step path asks its yes/no questions of ``[R]`` arrays with this and
+    ``np.count_nonzero``: ``np.array_equal`` and ``ndarray.any()/.min()`` go through
+    Python-level wrappers and cost three to ten times as much at these sizes.
+    """
     if a.dtype == b.dtype and a.shape == b.shape:
         return a.tobytes() == b.tobytes()
     return bool(np.array_equal(a, b))
@@ -799,13 +799,23 @@ class TritonAuxOutputWorker:
         self, pending: PendingStep, starts: np.ndarray
     ) -> dict[str, AuxRequestOutput]:
         """Each request's one row at position ``starts[r]`` (int64 ``[R]``), in one gather."""
-        B = self.block_size
         num_reqs = len(starts)
-        column = starts // B - pending.first_blocks
-        index = pending.slot_table[self._row_ids[:num_reqs], column] * B + starts % B
-        emitted = self._gather_rows(index)
+        emitted = self._gather_rows(self._one_row_index(pending, None, starts))
         views = list(emitted.reshape(num_reqs, 1, *emitted.shape[1:]))
         return dict(zip(pending.request_ids, map(AuxRequestOutput, starts.tolist(), views)))
+
+    def _one_row_index(
+        self, pending: PendingStep, requests: np.ndarray | None, positions: np.ndarray
+    ) -> np.ndarray:
+        """Arena row (int64 ``[n]``) of position ``positions[j]`` of step request
+        ``requests[j]``; ``requests=None`` means every request of the step, in order."""
+        B = self.block_size
+        if requests is None:
+            requests, first_blocks = self._row_ids[: len(positions)], pending.first_blocks
+        else:
+            first_blocks = pending.first_blocks[requests]
+        column = positions // B - first_blocks
+        return pending.slot_table[requests, column] * B + positions % B
 
     def _emit(
         self,
@@ -827,8 +837,7 @@ class TritonAuxOutputWorker:
         uniform = counts.min() == counts.max()
         if moved.size == 0 and uniform and counts[0] == 1:
             # Decode steps: one row per request, no per-row expansion needed.
-            column = starts // B - pending.first_blocks[direct]
-            index = pending.slot_table[direct, column] * B + starts % B
+            index = self._one_row_index(pending, direct, starts)
             offsets = None
         else:
             offsets = np.zeros(len(direct) + 1, np.int64)

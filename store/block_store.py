@@ -483,24 +483,16 @@ class BlockStore:
                 refs[key] = count + 1
             return
         distinct = set(retains)
-        if len(distinct) == len(retains):
-            # Each key once (the usual case): no counting needed.
-            held = distinct & refs.keys() if refs else ()
-            for key in held:
-                refs[key] += 1
-            fresh = distinct - held if held else distinct
-            if lru:
-                deque(map(lru.pop, fresh, repeat(None)), maxlen=0)
-            refs.update(zip(fresh, repeat(1)))
-            return
-        counts = Counter(retains)
-        held = counts.keys() & refs.keys() if refs else ()
+        # Each key once is the usual case: then no counting is needed.
+        counts = None if len(distinct) == len(retains) else Counter(retains)
+        keys = distinct if counts is None else counts.keys()
+        held = keys & refs.keys() if refs else ()
         for key in held:
-            refs[key] += counts[key]
-        fresh = counts.keys() - held if held else counts.keys()
+            refs[key] += 1 if counts is None else counts[key]
+        fresh = keys - held if held else keys
         if lru:
             deque(map(lru.pop, fresh, repeat(None)), maxlen=0)
-        refs.update(zip(fresh, map(counts.__getitem__, fresh)))
+        refs.update(zip(fresh, repeat(1) if counts is None else map(counts.__getitem__, fresh)))
 
     def _touch(self, keys: Sequence[str]) -> None:
         """Make the unreferenced ones of ``keys`` most recently used, one after another."""
