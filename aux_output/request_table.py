@@ -36,6 +36,8 @@ class RequestTable:
         self.slots: list[list[int]] = []
         self._free_rows: list[int] = []
         self._capacity = 0
+        # Bumped whenever the id -> row mapping changes, so callers may cache ``rows(ids)``.
+        self.version = 0
         # cursor: capture cursor (NO_CURSOR until the first capture); scheduled: end of the
         # last scheduled range; emit: emit cursor; pending: steps in flight covering the
         # request; low: lowest position the latest prepared step can start at; base: first
@@ -68,6 +70,7 @@ class RequestTable:
             self._grow(2 * self._capacity)
         row = self._free_rows.pop()
         self.index[request_id] = row
+        self.version += 1
         self.cursor[row] = NO_CURSOR
         self.emit[row] = emit_start
         self.scheduled[row] = self.pending[row] = self.base[row] = self.low[row] = 0
@@ -85,6 +88,7 @@ class RequestTable:
     def remove(self, request_id: str) -> list[int]:
         """Drop a request; returns its unbound slots for the caller to free."""
         row = self.index.pop(request_id)
+        self.version += 1
         slots = self.slots[row]
         self.keys[row] = []
         self.slots[row] = []

@@ -207,6 +207,8 @@ class TritonAuxOutputWorker:
         self.capture_buffer = capture_buffer
 
         self._requests = RequestTable()
+        # (table version, request ids, rows) of the last scheduled batch.
+        self._scheduled_cache: tuple[int, list[str], np.ndarray] | None = None
         self._generation = 0
         self._step_metadata: AuxOutputConnectorMetadata | None = None
         self._pending: list[PendingStep] = []
@@ -336,10 +338,11 @@ class TritonAuxOutputWorker:
         self._step_metadata = metadata
         if self._store is None or metadata is None:
             return
-        require(
-            not metadata.requests.keys() & set(metadata.finished_requests),
-            "auxiliary output request cannot run and finish in one step",
-        )
+        if metadata.finished_requests:
+            require(
+                not metadata.requests.keys() & set(metadata.finished_requests),
+                "auxiliary output request cannot run and finish in one step",
+            )
         require(
             metadata.generation >= self._generation,
             "auxiliary output metadata generation moved backwards",
@@ -360,13 +363,7 @@ class TritonAuxOutputWorker:
                 self._free(table.clear())
                 self._generation = metadata.generation
             if metadata.requests:
-                index = table.index
-                ids = list(metadata.requests)
-                found = list(map(index.get, ids, repeat(-1)))
-                if -1 in found:
-                    for at in [i for i, row in enumerate(found) if row < 0]:
-                        found[at] = table.add(ids[at], metadata.requests[ids[at]])
-                rows = np.array(found, np.int64)
+                rows = self._scheduled_rows(metadata.requests)
                 emit_starts = np.fromiter(metadata.requests.values(), np.int64, len(rows))
                 ahead = emit_starts > table.emit[rows]
                 if np.count_nonzero(ahead):
@@ -393,8 +390,27 @@ class TritonAuxOutputWorker:
                     continue
                 finished_now.append(request_id)
                 release_keys.extend(reversed(table.keys[row]))
-            self._publish(np.asarray(updated, np.int64), retain_keys, release_keys)
-            self._teardown(finished_now)
+            if updated or retain_keys or release_keys:
+                self._publish(np.asarray(updated, np.int64), retain_keys, release_keys)
+            if finished_now:
+                self._teardown(finished_now)
+
+    def _scheduled_rows(self, requests: dict[str, int]) -> np.ndarray:
+        """Table rows (int64 ``[R]``) of the step's scheduled requests; new ones are added
+        with their emit start. A steady decode batch repeats the last step's ids in order,
+        which a list comparison in C recognises."""
+        table = self._requests
+        ids = list(requests)
+        cached = self._scheduled_cache
+        if cached is not None and cached[0] == table.version and cached[1] == ids:
+            return cached[2]
+        found = list(map(table.index.get, ids, repeat(-1)))
+        if -1 in found:
+            for at in [i for i, row in enumerate(found) if row < 0]:
+                found[at] = table.add(ids[at], requests[ids[at]])
+        rows = np.array(found, np.int64)
+        self._scheduled_cache = (table.version, ids, rows)
+        return rows
 
     def prepare_output(
         self, input_batch: Any, num_rejected: torch.Tensor | None = None
@@ -651,10 +667,12 @@ class TritonAuxOutputWorker:
         if pending.staging is not None:
             self._unstage(pending)
         num_tokens = pending.num_tokens
-        rejected = np.asarray(num_rejected[:num_reqs], dtype=np.int64)
+        rejected = np.asarray(num_rejected[:num_reqs])
         sampled = np.asarray(num_sampled[:num_reqs])
         starts = pending.token_starts
         no_rejections = np.count_nonzero(rejected) == 0
+        if not no_rejections:
+            rejected = rejected.astype(np.int64, copy=False)
         accepted = num_tokens if no_rejections else num_tokens - rejected
         cursor = table.cursor[rows]
         if (
@@ -667,7 +685,7 @@ class TritonAuxOutputWorker:
         else:
             capture_starts = self._check_capture(pending, cursor, rejected, accepted)
         self._check_kernel(pending, capture_starts if pending.exact else starts, accepted)
-        self._count_transfer(pending)
+        self._count_transfer(pending, pending.num_rows if no_rejections else None)
         if pending.exact:
             moved = np.empty(0, np.int64)
         else:
@@ -691,20 +709,20 @@ class TritonAuxOutputWorker:
                 # Plain decode: one row per request, at its capture start (which is the
                 # scheduler's start unless the request reattached after a rejection).
                 outputs = self._emit_single_rows(pending, capture_starts)
-                self._publish(rows, (), ())
+                self._publish(rows, (), (), cursor=token_ends)
                 return outputs
             direct = np.arange(num_reqs)
             materialize = direct[:0]
         else:
             emits = (sampled > 0) & (emit_starts <= token_ends)
-            direct = np.flatnonzero(emits & (emit_starts >= capture_starts))
-            materialize = np.flatnonzero(emits & (emit_starts < capture_starts))
+            direct = (emits & (emit_starts >= capture_starts)).nonzero()[0]
+            materialize = (emits & (emit_starts < capture_starts)).nonzero()[0]
             table.emit[rows[direct]] = token_ends[direct]
 
         # Copy emitted rows out before any slot can be bound (and later reused).
         outputs = self._emit(pending, direct, emit_starts, token_ends, moved)
         # Publish the whole step before materializing: a hit may need a block from it.
-        self._publish(rows, (), ())
+        self._publish(rows, (), (), cursor=token_ends)
         for i in materialize.tolist():
             row, emit_start, token_end = int(rows[i]), int(emit_starts[i]), int(token_ends[i])
             request_id = pending.request_ids[i]
@@ -762,7 +780,9 @@ class TritonAuxOutputWorker:
             if mask[first]:
                 raise AuxOutputProtocolError(f"{message}: request={request_ids[first]}")
 
-    def _count_transfer(self, pending: PendingStep) -> None:
+    def _count_transfer(self, pending: PendingStep, num_written: int | None) -> None:
+        """Add the step's device-to-host traffic to ``transfer_stats``; ``num_written`` is
+        the kernel's total when already known (no rejections: every scheduled row)."""
         stats = self.transfer_stats
         stats["steps"] += 1
         if pending.staging is not None:
@@ -773,7 +793,8 @@ class TritonAuxOutputWorker:
         elif pending.step_info is not None:
             # Direct writes: exactly the rows the kernel wrote.
             # Only reached once every request's status was checked to be OK.
-            rows = int(pending.step_info[:, 1].sum())
+            # The kernel wrote at least the accepted rows (checked) and at most the scheduled.
+            rows = int(pending.step_info[:, 1].sum()) if num_written is None else num_written
             L, K = self.shape_per_token
             stats["rows"] += rows
             stats["bytes"] += rows * L * K * self.dtype.itemsize
@@ -930,18 +951,26 @@ class TritonAuxOutputWorker:
 
     # ------------------------------------------------------------------ publication
     def _publish(
-        self, rows: np.ndarray, retain_keys: Sequence[str], release_keys: Sequence[str]
+        self,
+        rows: np.ndarray,
+        retain_keys: Sequence[str],
+        release_keys: Sequence[str],
+        cursor: np.ndarray | None = None,
     ) -> None:
-        """Bind every complete, keyed, unbound block of ``rows`` in one store call."""
+        """Bind every complete, keyed, unbound block of ``rows`` in one store call.
+
+        ``cursor`` (int64 ``[len(rows)]``), when the caller has it, is ``table.cursor[rows]``.
+        """
         table = self._requests
         keys: list[str] = []
         slots: list[int] = []
         if rows.size:
-            cursor = table.cursor[rows]
+            if cursor is None:
+                cursor = table.cursor[rows]
             bases = table.base[rows]
             # A request without a cursor (NO_CURSOR = -1) gets min(.., -1) - base < 0: none.
             ready = np.minimum(table.num_keys[rows], cursor // self.block_size) - bases
-            chosen = np.flatnonzero(ready > 0)
+            chosen = (ready > 0).nonzero()[0]
             if chosen.size:
                 rows, bases, ready = rows[chosen], bases[chosen], ready[chosen]
                 own_keys, own_slots = table.keys, table.slots

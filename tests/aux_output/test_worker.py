@@ -153,6 +153,23 @@ def test_single_row_step_after_rejection_reattaches_at_the_cursor(positions):
     worker.close()
 
 
+def test_request_id_reused_after_finishing_starts_fresh():
+    """A batch whose ids equal the previous batch's reuses that batch's table rows only while
+    no request came or went: ids that finished and return are new requests."""
+    worker = make_worker()
+    batch = [("a", 1, 0, 3), ("b", 2, 0, 3)]
+    run_step(worker, meta({"a": 0, "b": 0}), batch)
+    out = run_step(worker, meta({"a": 3, "b": 3}), [("a", 1, 3, 1), ("b", 2, 3, 1)])
+    assert out["a"].token_start == 3 and out["b"].token_start == 3
+    worker.begin_step(meta({}, finished=["a", "b"]))
+    # Same ids, same order as the last scheduled batch, but new requests from position 0.
+    out = run_step(worker, meta({"a": 0, "b": 0}), [("a", 5, 0, 2), ("b", 6, 0, 2)])
+    assert out["a"].token_start == 0 and out["b"].token_start == 0
+    assert np.array_equal(out["a"].rows, routes(5, 0, 2).astype(np.uint8))
+    assert np.array_equal(out["b"].rows, routes(6, 0, 2).astype(np.uint8))
+    worker.close()
+
+
 def test_prefix_hit_materializes_from_the_store():
     worker = make_worker()
     run_step(worker, meta({"a": 0}, {"a": hashes(1, range(2))}), [("a", 1, 0, 9)])
