@@ -6,6 +6,7 @@ import itertools
 import struct
 
 import numpy as np
+import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -110,9 +111,12 @@ def outcome(fn, *args, **kwargs):
 key_lists = st.lists(st.sampled_from(KEYS), max_size=5)
 
 
+@pytest.mark.parametrize("bulk", [False, True], ids=["few-refs", "bulk-refs"])
 @settings(max_examples=250, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(data=st.data(), capacity=st.integers(1, 4), reserve=st.integers(0, 3))
-def test_store_matches_model(data, capacity, reserve):
+def test_store_matches_model(bulk, data, capacity, reserve):
+    """``bulk``: pins arrive by the hundred with repeats (a prompt's samples sharing blocks),
+    which takes the store's counting paths for large retain and release batches."""
     store = BlockStore(max_bytes=capacity * NB, object_nbytes=NB, reserve_slots=reserve)
     model = ModelStore(capacity, reserve)
     stamps = itertools.count(1)
@@ -126,8 +130,14 @@ def test_store_matches_model(data, capacity, reserve):
             st.sampled_from(["put", "put_array", "get", "refs", "allocate", "bind", "free", "bad"])
         )
         retains = data.draw(st.lists(st.sampled_from(KEYS), max_size=2), label="retains")
-        held_refs = [key for key, count in sorted(model.refs.items()) for _ in range(count)]
-        releases = data.draw(st.permutations(held_refs + retains), label="releases")[:3]
+        if bulk:
+            retains *= 40
+            # Repeated releases of held keys (possibly more than held: an error case).
+            chosen = data.draw(st.lists(st.sampled_from(KEYS), max_size=3), label="released")
+            releases = chosen * data.draw(st.integers(1, 90), label="times")
+        else:
+            held_refs = [key for key, count in sorted(model.refs.items()) for _ in range(count)]
+            releases = data.draw(st.permutations(held_refs + retains), label="releases")[:3]
         if data.draw(st.integers(0, 9), label="stray release?") == 0:
             releases.append(data.draw(st.sampled_from(KEYS), label="stray"))
         if op in ("put", "put_array", "refs"):
