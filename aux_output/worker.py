@@ -902,7 +902,9 @@ class TritonAuxOutputWorker:
         out = self._output_pool.empty((token_end - emit_start, *self.shape_per_token), self.dtype)
         read_from = emit_start
         if emit_start < stored_end:
-            slots = self._store.lookup_slots(keys[emit_start // B : stored_end // B])
+            # A live request's keys were retained when its hashes arrived and are released
+            # only at its teardown, so every key read here is referenced.
+            slots = self._store.lookup_slots(keys[emit_start // B : stored_end // B], held=True)
             if emit_start % B == 0:
                 # Whole blocks: one gather of block-sized rows straight into the output.
                 blocks = out[: stored_end - emit_start].reshape(len(slots), -1).view(np.uint8)

@@ -206,10 +206,13 @@ class BlockStore:
         # element-wise through a buffered iterator and is ~4x slower for 6 KiB rows.
         torch.index_select(self._arena, 0, torch.from_numpy(slots), out=torch.from_numpy(out))
 
-    def lookup_slots(self, keys: Sequence[str]) -> np.ndarray:
+    def lookup_slots(self, keys: Sequence[str], *, held: bool = False) -> np.ndarray:
         """Slots of ``keys`` as ``int64 [len(keys)]``; refreshes their recency like a read.
 
-        Raises ``BlockObjectStoreError`` (naming the capacity) if any key is missing.
+        ``held=True`` promises that the caller holds a reference on every key. Referenced keys
+        are never in the LRU, so the refresh would change nothing and is skipped (it costs a
+        probe of the LRU per key). Raises ``BlockObjectStoreError`` (naming the capacity) if
+        any key is missing.
         """
         self._check_open()
         keys = keys if isinstance(keys, (list, tuple)) else list(keys)
@@ -223,7 +226,7 @@ class BlockStore:
                 f"--aux-output-config '{{\"max_bytes\": N}}' with N > "
                 f"{self.num_slots * self.object_nbytes}, when a KV cache hit needs it."
             ) from None
-        if self._lru:
+        if self._lru and not held:
             self._touch(keys)
         return slots
 

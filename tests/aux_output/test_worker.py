@@ -16,9 +16,11 @@ import torch
 
 from r3capture.aux_output.errors import AuxOutputProtocolError
 from r3capture.aux_output.sim import make_trace, make_vllm_worker, run_trace
-from r3capture.aux_output.sim.workers import make_r3capture_worker
+from r3capture.aux_output.sim.trace import SCENARIOS
+from r3capture.aux_output.sim.workers import make_r3capture_worker, r3capture_worker_factory
 from r3capture.aux_output.types import AuxOutputConnectorMetadata, PackedBlockHashes
 from r3capture.aux_output.worker import TritonAuxOutputWorker
+from r3capture.store import BlockStore
 
 B, L, K = 4, 3, 2
 ROW_BYTES = L * K
@@ -292,3 +294,30 @@ def test_triton_kernel_under_the_interpreter_matches_vllm():
 
     ours = run_trace(trace, factory)
     assert [s.outputs for s in ours.steps] == [s.outputs for s in theirs.steps]
+
+
+@pytest.mark.parametrize("scenario", sorted(SCENARIOS))
+def test_every_key_the_worker_reads_is_referenced(scenario, monkeypatch):
+    """The worker reads stored blocks with ``lookup_slots(held=True)``, which skips the LRU
+    refresh. That is exact only if every key read holds a reference (referenced keys are
+    never in the LRU); check it on every scenario, fail-closed ones included."""
+    original = BlockStore.lookup_slots
+    reads = []
+
+    def checked(store, keys, *, held=False):
+        if held:
+            unreferenced = [key for key in keys if store.ref_count(key) == 0]
+            assert not unreferenced, f"read without a reference: {unreferenced[:3]}"
+            reads.append(len(keys))
+        return original(store, keys, held=held)
+
+    monkeypatch.setattr(BlockStore, "lookup_slots", checked)
+    for seed in range(3):
+        run_trace(
+            make_trace(scenario, seed=seed),
+            r3capture_worker_factory(kernel_impl="reference"),
+            catch_errors=True,
+            check=False,
+        )
+    if scenario in ("chunked_prefill", "multi_turn", "shared_prefix"):
+        assert reads, "the scenario should read stored blocks"
