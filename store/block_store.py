@@ -23,7 +23,8 @@ Lifecycle of a block::
   referenced key is never evicted. When a key's count drops to zero it becomes the most recently
   used, in release order, so the scheduler's tail-first release order is the eviction order.
 - *evict*: only unreferenced keys, least recently used first; lookups (``get_array``,
-  ``get_concatenated``, ``lookup_slots``) refresh recency. If every key is referenced, the store
+  ``get_concatenated``, ``lookup_slots``) refresh recency (a no-op for referenced keys, which
+  ``lookup_slots(held=True)`` does not probe for). If every key is referenced, the store
   grows instead of failing: ``num_slots`` at least doubles, a warning is logged, ``on_grow()`` is
   called before the old arena is copied, and ``arena``/``arena_np`` are replaced
   (``arena_version`` increments). A key that is gone raises ``BlockObjectStoreError``.
