@@ -700,8 +700,9 @@ class TritonAuxOutputWorker:
         token_ends = capture_starts + accepted
         emit_starts = table.emit[rows]
         table.cursor[rows] = token_ends
-        scheduled_ends = token_ends if no_rejections and capture_starts is starts else None
-        table.scheduled[rows] = starts + num_tokens if scheduled_ends is None else scheduled_ends
+        # With nothing rejected at the scheduler's starts, the scheduled ends are the new cursors.
+        settled = no_rejections and capture_starts is starts
+        table.scheduled[rows] = token_ends if settled else starts + num_tokens
         if np.count_nonzero(sampled > 0) == num_reqs and _equal_ints(emit_starts, capture_starts):
             # Decode-like steps: every request emits exactly the rows it captured.
             table.emit[rows] = token_ends
@@ -791,9 +792,9 @@ class TritonAuxOutputWorker:
             stats["rows"] += host.shape[0] * host.shape[1]
             stats["bytes"] += host.numel() * host.element_size()
         elif pending.step_info is not None:
-            # Direct writes: exactly the rows the kernel wrote.
-            # Only reached once every request's status was checked to be OK.
-            # The kernel wrote at least the accepted rows (checked) and at most the scheduled.
+            # Direct writes: exactly the rows the kernel wrote (statuses already checked OK).
+            # It writes at least the accepted rows and at most the scheduled ones, so with
+            # nothing rejected the count is the step's row total.
             rows = int(pending.step_info[:, 1].sum()) if num_written is None else num_written
             L, K = self.shape_per_token
             stats["rows"] += rows

@@ -418,8 +418,8 @@ class BlockStore:
         slots, lru, refs = self._slots, self._lru, self._refs
         retains = tuple(retain_keys)
         releases = tuple(release_keys)
-        if releases:
-            self._check_releases(retains, releases)
+        # Whether each key is released at most once: checked once, used by the release too.
+        distinct = self._check_releases(retains, releases) if releases else True
         unique = dict.fromkeys(keys)
         present = list(filter(slots.__contains__, unique)) if slots else None
         if present:
@@ -432,7 +432,7 @@ class BlockStore:
             pending = list(unique)
         if retains:
             self._retain(retains)
-        terminal = self._release(releases) if releases else []
+        terminal = self._release(releases, distinct) if releases else []
         lru.update(zip(filterfalse(refs.__contains__, pending) if refs else pending, repeat(None)))
         if terminal:
             self._touch(terminal)
@@ -448,13 +448,13 @@ class BlockStore:
             self._grow(max(bound, 2 * self.num_slots))
         return pending
 
-    def _release(self, releases: tuple[str, ...]) -> list[str]:
+    def _release(self, releases: tuple[str, ...], distinct: bool) -> list[str]:
         """Drop one reference per occurrence (retains of the call already applied); return
         the keys whose last reference went, in order, after appending the stored ones to the
-        LRU in that order."""
+        LRU in that order. ``distinct``: no key occurs twice in ``releases``."""
         refs, lru, slots = self._refs, self._lru, self._slots
         counts = list(map(refs.__getitem__, releases))
-        if counts.count(1) == len(counts) and len(set(releases)) == len(releases):
+        if distinct and counts.count(1) == len(counts):
             # A finishing request lets go of its own blocks: every count drops to zero.
             deque(map(refs.__delitem__, releases), maxlen=0)
             lru.update(zip(filter(slots.__contains__, releases), repeat(None)))
@@ -503,14 +503,16 @@ class BlockStore:
         lru = self._lru
         deque(map(lru.move_to_end, filter(lru.__contains__, keys)), maxlen=0)
 
-    def _check_releases(self, retains: tuple[str, ...], releases: tuple[str, ...]) -> None:
+    def _check_releases(self, retains: tuple[str, ...], releases: tuple[str, ...]) -> bool:
+        """Raise ``KeyError`` if a key is released more often than it is referenced (held, or
+        retained in this call). Returns whether every key occurs once in ``releases``."""
         distinct = set(releases)
         if len(distinct) == len(releases):
             # Each key released once: it needs one reference, held already or retained in
             # this call (a finishing request's last hashes). Checked in C, no per-key loop.
             unheld = distinct - self._refs.keys()
             if not unheld or unheld <= set(retains):
-                return
+                return True
         added = Counter(retains)
         for key, count in Counter(releases).items():
             held = self._refs.get(key, 0) + added[key]
@@ -518,6 +520,7 @@ class BlockStore:
                 raise KeyError(
                     f"release_keys: {key!r} released {count} time(s) but holds {held} reference(s)"
                 )
+        return len(distinct) == len(releases)
 
     def _evict(self, excess: int, protected: Any) -> set[str]:
         """Evict ``excess`` unreferenced keys, oldest first, skipping ``protected``.

@@ -115,7 +115,7 @@ key_lists = st.lists(st.sampled_from(KEYS), max_size=5)
 @settings(max_examples=250, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(data=st.data(), capacity=st.integers(1, 4), reserve=st.integers(0, 3))
 def test_store_matches_model(bulk, data, capacity, reserve):
-    """``bulk``: pins arrive by the hundred with repeats (a prompt's samples sharing blocks),
+    """``bulk``: pins arrive by the dozens with repeats (a prompt's samples sharing blocks),
     which takes the store's counting paths for large retain and release batches."""
     store = BlockStore(max_bytes=capacity * NB, object_nbytes=NB, reserve_slots=reserve)
     model = ModelStore(capacity, reserve)

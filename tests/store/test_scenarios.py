@@ -109,7 +109,6 @@ def test_release_order_is_eviction_order_tail_first():
     assert keys_of(store) == {"w", "a", "b", "c"}
 
 
-
 @pytest.mark.parametrize(
     "releases, order",
     [("wxwx", "wx"), ("xwwx", "wx"), ("wxxw", "xw"), ("wwxx", "wx")],
@@ -122,6 +121,7 @@ def test_shared_keys_become_evictable_at_their_last_release(releases, order):
     put(store, "", release=releases)
     assert store.eviction_order() == list(order)
     assert store.ref_count("w") == store.ref_count("x") == 0
+
 
 def test_released_keys_go_after_the_batch_in_lru_order():
     store = make(capacity=4)
