@@ -19,12 +19,12 @@ no second buffer is allocated.
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from r3capture.aux_output import compat
+from r3capture.aux_output.sizing import WorkerSizing
 
 logger = logging.getLogger("vllm.r3capture")
 
@@ -32,20 +32,6 @@ if TYPE_CHECKING:
     import torch
 
     from r3capture.aux_output.worker import TritonAuxOutputWorker
-
-
-@dataclass(frozen=True)
-class WorkerSizing:
-    """The numbers vLLM's connector derives from its config (see the module docstring)."""
-
-    shape_per_token: tuple[int, int]  # (L, K)
-    dtype: np.dtype
-    hash_block_size: int
-    block_nbytes: int
-    max_bytes: int
-    max_num_seqs: int
-    max_num_batched_tokens: int
-    max_concurrent_batches: int
 
 
 def worker_sizing(
@@ -65,14 +51,13 @@ def worker_sizing(
         max_bytes = num_kv_blocks * (scheduler_block_size // hash_block_size) * block_nbytes
     scheduler_config = vllm_config.scheduler_config
     return WorkerSizing(
-        shape_per_token=tuple(int(x) for x in shape_per_token),
+        shape_per_token=tuple(shape_per_token),
         dtype=dtype,
-        hash_block_size=int(hash_block_size),
-        block_nbytes=int(block_nbytes),
-        max_bytes=int(max_bytes),
-        max_num_seqs=int(scheduler_config.max_num_seqs),
-        max_num_batched_tokens=int(scheduler_config.max_num_batched_tokens),
-        max_concurrent_batches=int(vllm_config.max_concurrent_batches),
+        hash_block_size=hash_block_size,
+        max_bytes=max_bytes,
+        max_num_seqs=scheduler_config.max_num_seqs,
+        max_num_batched_tokens=scheduler_config.max_num_batched_tokens,
+        max_concurrent_batches=vllm_config.max_concurrent_batches,
     )
 
 
@@ -109,13 +94,7 @@ def build_worker(
     )
     is_output_rank = get_tp_group().is_first_rank
     worker = TritonAuxOutputWorker(
-        shape_per_token=sizing.shape_per_token,
-        dtype=sizing.dtype,
-        hash_block_size=sizing.hash_block_size,
-        max_num_seqs=sizing.max_num_seqs,
-        max_num_batched_tokens=sizing.max_num_batched_tokens,
-        max_concurrent_batches=sizing.max_concurrent_batches,
-        max_bytes=sizing.max_bytes,
+        sizing,
         device=capturer.device_buffer.device,
         capture_buffer=capturer.device_buffer,
         is_output_rank=is_output_rank,

@@ -43,6 +43,7 @@ from r3capture.aux_output import envs
 from r3capture.aux_output.errors import AuxOutputProtocolError, require
 from r3capture.aux_output.output_pool import OutputPool
 from r3capture.aux_output.request_table import NO_CURSOR, RequestTable
+from r3capture.aux_output.sizing import WorkerSizing
 from r3capture.aux_output.types import (
     AuxOutputConnectorMetadata,
     AuxRequestOutput,
@@ -161,14 +162,8 @@ class TritonAuxOutputWorker:
 
     def __init__(
         self,
+        sizing: WorkerSizing,
         *,
-        shape_per_token: tuple[int, int],
-        dtype: np.dtype | str,
-        hash_block_size: int,
-        max_num_seqs: int,
-        max_num_batched_tokens: int,
-        max_concurrent_batches: int,
-        max_bytes: int,
         device: str | torch.device = "cpu",
         capture_buffer: torch.Tensor | None = None,
         is_output_rank: bool = True,
@@ -176,22 +171,16 @@ class TritonAuxOutputWorker:
         kernel_impl: str | None = None,
         output_pool_bytes: int | None = None,
     ) -> None:
-        dtype = np.dtype(dtype)
-        if dtype not in _TORCH_DTYPES:
-            raise ValueError(f"dtype must be uint8 or uint16, got {dtype}")
-        if len(shape_per_token) != 2 or min(shape_per_token) <= 0:
-            raise ValueError(f"shape_per_token must be (L, K) > 0, got {shape_per_token}")
-        for name, value in (
-            ("hash_block_size", hash_block_size),
-            ("max_num_seqs", max_num_seqs),
-            ("max_num_batched_tokens", max_num_batched_tokens),
-            ("max_concurrent_batches", max_concurrent_batches),
-        ):
-            if value <= 0:
-                raise ValueError(f"{name} must be positive, got {value}")
-        self.shape_per_token = tuple(int(x) for x in shape_per_token)
+        if not isinstance(sizing, WorkerSizing):
+            raise TypeError(f"sizing must be a WorkerSizing, got {type(sizing).__name__}")
+        dtype = sizing.dtype
+        max_num_seqs = sizing.max_num_seqs
+        max_num_batched_tokens = sizing.max_num_batched_tokens
+        max_concurrent_batches = sizing.max_concurrent_batches
+        max_bytes = sizing.max_bytes
+        self.shape_per_token = sizing.shape_per_token
         self.dtype = dtype
-        self.block_size = int(hash_block_size)
+        self.block_size = sizing.hash_block_size
         self.device = torch.device(device)
         self._max_concurrent_batches = max_concurrent_batches
         self._kernel_impl = kernel_impl or envs.kernel_impl()

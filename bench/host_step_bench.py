@@ -23,17 +23,17 @@ import numpy as np
 from bench.common import Result, make_result, write_results
 from bench.models import KIMI_K2, QWEN3_30B_A3B, ModelShape
 from bench.step_traces import PRESETS, build_trace
-from r3capture.aux_output.sim.workers import WorkerSizes, make_r3capture_worker, make_vllm_worker
+from sim.workers import WorkerSizing, make_r3capture_worker, make_vllm_worker
 
 BLOCK_SIZE = 16
 
 
-def _sizes(shape: ModelShape, max_tokens: int, max_seqs: int, steps) -> WorkerSizes:
+def _sizes(shape: ModelShape, max_tokens: int, max_seqs: int, steps) -> WorkerSizing:
     row_bytes = shape.num_layers * shape.top_k * shape.np_dtype.itemsize
     total_rows = sum(step.num_rows for step in steps)
     # Room for every block of the trace: eviction is not what this benchmark measures.
     max_bytes = (total_rows // BLOCK_SIZE + 64) * BLOCK_SIZE * row_bytes * 2
-    return WorkerSizes(
+    return WorkerSizing.for_model(
         num_layers=shape.num_layers,
         top_k=shape.top_k,
         num_experts=shape.num_experts,

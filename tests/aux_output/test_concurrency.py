@@ -18,14 +18,14 @@ import numpy as np
 import pytest
 import torch
 
-from r3capture.aux_output.sim import (
+from sim import (
     make_trace,
     make_vllm_worker,
     r3capture_worker_factory,
     run_trace,
 )
-from r3capture.aux_output.sim.compare import diff_results
-from r3capture.aux_output.sim.workers import WorkerSizes, make_r3capture_worker
+from sim.compare import diff_results
+from sim.workers import WorkerSizing, make_r3capture_worker
 
 pytest.importorskip("vllm.distributed.aux_output_connector.worker")
 
@@ -75,7 +75,7 @@ def test_stress_step_thread_against_output_thread(tiny_switch_interval):
     complete and in order, equal to what the step thread wrote."""
     from r3capture.aux_output.types import AuxOutputConnectorMetadata, PackedBlockHashes
 
-    sizes = WorkerSizes(
+    sizes = WorkerSizing.for_model(
         num_layers=2,
         top_k=2,
         num_experts=16,

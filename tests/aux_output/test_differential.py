@@ -16,17 +16,17 @@ import numpy as np
 import pytest
 import torch
 
-from r3capture.aux_output.sim import (
+from r3capture.aux_output.types import AuxOutputConnectorMetadata, PackedBlockHashes
+from sim import (
     SCENARIOS,
-    WorkerSizes,
+    WorkerSizing,
     make_r3capture_worker,
     make_trace,
     make_vllm_worker,
     r3capture_worker_factory,
     run_trace,
 )
-from r3capture.aux_output.sim.compare import diff_results, same_error
-from r3capture.aux_output.types import AuxOutputConnectorMetadata, PackedBlockHashes
+from sim.compare import diff_results, same_error
 
 pytest.importorskip("vllm.distributed.aux_output_connector.worker")
 
@@ -86,7 +86,7 @@ def test_triton_kernel_byte_identical(scenario):
 
 # ---------------------------------------------------------------- scripted protocol errors
 
-SIZES = WorkerSizes(
+SIZES = WorkerSizing.for_model(
     num_layers=2,
     top_k=2,
     num_experts=16,

@@ -12,14 +12,14 @@ from hypothesis import strategies as st
 
 from r3capture.aux_output import envs
 from r3capture.aux_output.output_pool import OutputPool
-from r3capture.aux_output.sim import (
+from sim import (
     SCENARIOS,
     make_trace,
     make_vllm_worker,
     r3capture_worker_factory,
     run_trace,
 )
-from r3capture.aux_output.sim.compare import diff_results
+from sim.compare import diff_results
 
 SHAPE = (1000, 48, 8)  # 384,000 bytes: above the default min_nbytes
 

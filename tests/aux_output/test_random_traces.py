@@ -12,7 +12,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from r3capture.aux_output.sim import (
+from sim import (
     make_trace,
     make_vllm_worker,
     r3capture_scheduler,
@@ -21,7 +21,7 @@ from r3capture.aux_output.sim import (
     run_trace,
     vllm_scheduler,
 )
-from r3capture.aux_output.sim.compare import diff_results, tee_factory
+from sim.compare import diff_results, tee_factory
 
 pytest.importorskip("vllm.distributed.aux_output_connector.worker")
 

@@ -13,8 +13,8 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from r3capture.aux_output.scheduler import SchedulerConnector
 from r3capture.aux_output.types import AuxRequestOutput
+from sim.scheduler import SchedulerConnector
 
 BLOCK = 4  # KV block size (tokens)
 HBS = 2  # hash block size: two hashes per KV block
@@ -394,7 +394,7 @@ def test_against_vllm_kv_cache_manager(vllm_kv):
     our connector and vLLM's fed the same calls and compared answer by answer."""
     from vllm.distributed.aux_output_connector.connector import AuxOutputSchedulerConnector
 
-    from r3capture.aux_output.sim.compare import TeeSchedulerConnector
+    from sim.compare import TeeSchedulerConnector
 
     manager, hasher = vllm_kv(num_blocks=6)
     conn = TeeSchedulerConnector(SchedulerConnector(manager), AuxOutputSchedulerConnector(manager))

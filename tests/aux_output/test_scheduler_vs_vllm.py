@@ -12,7 +12,7 @@ import dataclasses
 
 import pytest
 
-from r3capture.aux_output.sim import (
+from sim import (
     SCENARIOS,
     make_trace,
     r3capture_scheduler,
@@ -20,7 +20,7 @@ from r3capture.aux_output.sim import (
     run_trace,
     vllm_scheduler,
 )
-from r3capture.aux_output.sim.compare import ConnectorMismatch, tee_factory
+from sim.compare import ConnectorMismatch, tee_factory
 
 pytest.importorskip("vllm.distributed.aux_output_connector.connector")
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from r3capture.aux_output.sim import (
+from sim import (
     SCENARIOS,
     RoutingOracle,
     make_trace,
@@ -18,10 +18,10 @@ from r3capture.aux_output.sim import (
     random_trace,
     run_trace,
 )
-from r3capture.aux_output.sim.compare import normalize_meta
-from r3capture.aux_output.sim.kv import KVCacheDouble, block_hashes_for
-from r3capture.aux_output.sim.oracle import SEED, prefix_hashes
-from r3capture.aux_output.sim.workers import WorkerHandle
+from sim.compare import normalize_meta
+from sim.kv import KVCacheDouble, block_hashes_for
+from sim.oracle import SEED, prefix_hashes
+from sim.workers import WorkerHandle
 
 pytest.importorskip("vllm.distributed.aux_output_connector.worker")
 
@@ -265,7 +265,7 @@ def test_check_catches_missing_output():
 
 
 def test_demo_report(capsys):
-    from r3capture.aux_output.sim.demo import run_demo_trace
+    from sim.demo import run_demo_trace
 
     report = run_demo_trace("preemption", workers=("vllm",))
     text = capsys.readouterr().out

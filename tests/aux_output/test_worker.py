@@ -15,12 +15,13 @@ import pytest
 import torch
 
 from r3capture.aux_output.errors import AuxOutputProtocolError
-from r3capture.aux_output.sim import make_trace, make_vllm_worker, run_trace
-from r3capture.aux_output.sim.trace import SCENARIOS
-from r3capture.aux_output.sim.workers import make_r3capture_worker, r3capture_worker_factory
+from r3capture.aux_output.sizing import WorkerSizing
 from r3capture.aux_output.types import AuxOutputConnectorMetadata, PackedBlockHashes
 from r3capture.aux_output.worker import TritonAuxOutputWorker
 from r3capture.store import BlockStore
+from sim import make_trace, make_vllm_worker, run_trace
+from sim.trace import SCENARIOS
+from sim.workers import make_r3capture_worker, r3capture_worker_factory
 
 B, L, K = 4, 3, 2
 ROW_BYTES = L * K
@@ -39,7 +40,7 @@ def hashes(seed: int, blocks: range) -> PackedBlockHashes:
 
 
 def make_worker(**overrides) -> TritonAuxOutputWorker:
-    options = dict(
+    sizes = dict(
         shape_per_token=(L, K),
         dtype="uint8",
         hash_block_size=B,
@@ -47,10 +48,11 @@ def make_worker(**overrides) -> TritonAuxOutputWorker:
         max_num_batched_tokens=32,
         max_concurrent_batches=2,
         max_bytes=B * ROW_BYTES * 64,
-        kernel_impl="reference",
     )
-    options.update(overrides)
-    return TritonAuxOutputWorker(**options)
+    options = dict(kernel_impl="reference")
+    for name, value in overrides.items():
+        (sizes if name in sizes else options)[name] = value
+    return TritonAuxOutputWorker(WorkerSizing(**sizes), **options)
 
 
 def run_step(worker, metadata, batch, rejected=None, sampled=None, positions=True):

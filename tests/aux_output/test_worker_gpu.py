@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import pytest
 
-from r3capture.aux_output.sim import make_trace, run_trace
-from r3capture.aux_output.sim.workers import make_r3capture_worker
+from sim import make_trace, run_trace
+from sim.workers import make_r3capture_worker
 
 pytestmark = pytest.mark.gpu
 

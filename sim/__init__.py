@@ -8,7 +8,7 @@
 * ``workers``: vLLM 0.33.0's and r3capture's worker connectors built without a model.
 """
 
-from r3capture.aux_output.sim.engine import (
+from sim.engine import (
     SimEngine,
     SimError,
     SimResult,
@@ -19,8 +19,8 @@ from r3capture.aux_output.sim.engine import (
     vllm_scheduler,
     worker_sizes,
 )
-from r3capture.aux_output.sim.oracle import RoutingOracle
-from r3capture.aux_output.sim.trace import (
+from sim.oracle import RoutingOracle
+from sim.trace import (
     SCENARIOS,
     EngineConfig,
     ModelSpec,
@@ -29,9 +29,9 @@ from r3capture.aux_output.sim.trace import (
     make_trace,
     random_trace,
 )
-from r3capture.aux_output.sim.workers import (
+from sim.workers import (
     WorkerHandle,
-    WorkerSizes,
+    WorkerSizing,
     make_r3capture_worker,
     make_vllm_worker,
     r3capture_worker_factory,
@@ -50,7 +50,7 @@ __all__ = [
     "StepRecord",
     "Trace",
     "WorkerHandle",
-    "WorkerSizes",
+    "WorkerSizing",
     "make_r3capture_worker",
     "make_trace",
     "make_vllm_worker",

@@ -39,10 +39,10 @@ from typing import Any
 import numpy as np
 import torch
 
-from r3capture.aux_output.sim.kv import KVCacheDouble, block_hashes_for
-from r3capture.aux_output.sim.oracle import SEED, RoutingOracle, prefix_hashes
-from r3capture.aux_output.sim.trace import VOCAB, RequestSpec, Trace
-from r3capture.aux_output.sim.workers import WorkerHandle, WorkerSizes, make_vllm_worker
+from sim.kv import KVCacheDouble, block_hashes_for
+from sim.oracle import SEED, RoutingOracle, prefix_hashes
+from sim.trace import VOCAB, RequestSpec, Trace
+from sim.workers import WorkerHandle, WorkerSizing, make_vllm_worker
 
 WAITING = "waiting"
 RUNNING = "running"
@@ -287,7 +287,7 @@ SchedulerFactory = Callable[[KVCacheDouble, Any], Any]
 
 
 def r3capture_scheduler(kv: KVCacheDouble, kv_connector: Any) -> Any:
-    from r3capture.aux_output.scheduler import SchedulerConnector
+    from sim.scheduler import SchedulerConnector
 
     return SchedulerConnector(kv, kv_connector)
 
@@ -901,9 +901,9 @@ def default_max_bytes(trace: Trace) -> int:
     return cfg.num_gpu_blocks * (cfg.block_size // cfg.hash_block_size) * block_nbytes
 
 
-def worker_sizes(trace: Trace) -> WorkerSizes:
+def worker_sizes(trace: Trace) -> WorkerSizing:
     cfg = trace.config
-    return WorkerSizes(
+    return WorkerSizing.for_model(
         num_layers=trace.model.num_layers,
         top_k=trace.model.top_k,
         num_experts=trace.model.num_experts,
@@ -917,7 +917,7 @@ def worker_sizes(trace: Trace) -> WorkerSizes:
 
 def run_trace(
     trace: Trace,
-    worker_factory: Callable[[WorkerSizes], WorkerHandle] = make_vllm_worker,
+    worker_factory: Callable[[WorkerSizing], WorkerHandle] = make_vllm_worker,
     *,
     scheduler_factory: SchedulerFactory = r3capture_scheduler,
     threaded: bool = False,

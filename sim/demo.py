@@ -8,10 +8,10 @@ import argparse
 import time
 from typing import Any
 
-from r3capture.aux_output.sim.compare import diff_results
-from r3capture.aux_output.sim.engine import SimResult, run_trace
-from r3capture.aux_output.sim.trace import SCENARIOS, make_trace
-from r3capture.aux_output.sim.workers import make_vllm_worker, r3capture_worker_factory
+from sim.compare import diff_results
+from sim.engine import SimResult, run_trace
+from sim.trace import SCENARIOS, make_trace
+from sim.workers import make_vllm_worker, r3capture_worker_factory
 
 
 def _mib(nbytes: int) -> str:
@@ -106,7 +106,7 @@ def _print(report: dict[str, Any], trace: Any, first: SimResult) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m r3capture.aux_output.sim")
+    parser = argparse.ArgumentParser(prog="python -m sim")
     parser.add_argument("scenario", nargs="?", default="async_spec", choices=sorted(SCENARIOS))
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--size", default="small", choices=["tiny", "small", "medium", "large"])

@@ -8,7 +8,7 @@ from typing import Any
 
 import numpy as np
 
-from r3capture.aux_output.sim.engine import SimResult
+from sim.engine import SimResult
 
 
 class ConnectorMismatch(AssertionError):

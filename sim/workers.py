@@ -14,37 +14,12 @@ pending objects it gets back are the workers' own.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import torch
 
-
-@dataclass(frozen=True)
-class WorkerSizes:
-    """What a worker connector is sized from (vLLM derives these from its config)."""
-
-    num_layers: int
-    top_k: int
-    num_experts: int
-    hash_block_size: int
-    max_num_seqs: int
-    max_num_batched_tokens: int
-    max_concurrent_batches: int
-    max_bytes: int
-
-    @property
-    def dtype(self) -> np.dtype:
-        return np.dtype(np.uint8 if self.num_experts <= 256 else np.uint16)
-
-    @property
-    def shape_per_token(self) -> tuple[int, int]:
-        return (self.num_layers, self.top_k)
-
-    @property
-    def object_nbytes(self) -> int:
-        return self.hash_block_size * self.num_layers * self.top_k * self.dtype.itemsize
+from r3capture.aux_output.sizing import WorkerSizing
 
 
 class WorkerHandle:
@@ -85,7 +60,7 @@ class WorkerHandle:
 class _FakeCapturer:
     """Stands in for vLLM's RoutedExpertsCapturer on the CPU."""
 
-    def __init__(self, sizes: WorkerSizes) -> None:
+    def __init__(self, sizes: WorkerSizing) -> None:
         self.shape_per_token = sizes.shape_per_token
         self.output_dtype_name = sizes.dtype.name
         self.output_dtype = getattr(torch, sizes.dtype.name)
@@ -97,7 +72,7 @@ class _FakeCapturer:
         return self.device_buffer[:num_tokens].to(self.output_dtype)
 
 
-def make_vllm_worker(sizes: WorkerSizes, *, is_output_rank: bool = True) -> WorkerHandle:
+def make_vllm_worker(sizes: WorkerSizing, *, is_output_rank: bool = True) -> WorkerHandle:
     """vLLM 0.33.0's AuxOutputWorkerConnector without a model: on the output rank (the
     first TP rank) with its store and staging buffer, else capture-only (no data plane)."""
     from threading import Lock
@@ -122,7 +97,7 @@ def make_vllm_worker(sizes: WorkerSizes, *, is_output_rank: bool = True) -> Work
     worker._buffer = None
     if is_output_rank:
         worker._store = BackgroundBlockObjectStore(
-            BlockObjectStore(max_bytes=sizes.max_bytes, object_nbytes=sizes.object_nbytes),
+            BlockObjectStore(max_bytes=sizes.max_bytes, object_nbytes=sizes.block_nbytes),
             max_pending_batches=2 * sizes.max_num_seqs,
         )
         worker._buffer = RoutedExpertsBuffer(
@@ -143,7 +118,7 @@ def make_vllm_worker(sizes: WorkerSizes, *, is_output_rank: bool = True) -> Work
 
 
 def make_r3capture_worker(
-    sizes: WorkerSizes,
+    sizes: WorkerSizing,
     *,
     kernel_impl: str = "reference",
     device: str = "cpu",
@@ -157,13 +132,7 @@ def make_r3capture_worker(
     from r3capture.aux_output.worker import TritonAuxOutputWorker
 
     worker = TritonAuxOutputWorker(
-        shape_per_token=sizes.shape_per_token,
-        dtype=sizes.dtype,
-        hash_block_size=sizes.hash_block_size,
-        max_num_seqs=sizes.max_num_seqs,
-        max_num_batched_tokens=sizes.max_num_batched_tokens,
-        max_concurrent_batches=sizes.max_concurrent_batches,
-        max_bytes=sizes.max_bytes,
+        sizes,
         device=device,
         destination=destination,
         kernel_impl=kernel_impl,
@@ -193,14 +162,14 @@ def make_r3capture_worker(
     return WorkerHandle(f"r3capture{suffix}", worker, buffer, prepare, active)
 
 
-def r3capture_worker_factory(**options: Any) -> Callable[[WorkerSizes], WorkerHandle]:
+def r3capture_worker_factory(**options: Any) -> Callable[[WorkerSizing], WorkerHandle]:
     """``make_r3capture_worker`` with fixed options, for ``run_trace(worker_factory=...)``."""
     return lambda sizes: make_r3capture_worker(sizes, **options)
 
 
 __all__ = [
     "WorkerHandle",
-    "WorkerSizes",
+    "WorkerSizing",
     "make_r3capture_worker",
     "make_vllm_worker",
     "r3capture_worker_factory",

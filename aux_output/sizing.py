@@ -1,0 +1,128 @@
+"""What a worker connector is sized from: one type for the factory, the simulator and the benches.
+
+vLLM derives these numbers from its config (``factory.worker_sizing``); the simulator and the
+benchmarks build them directly. Every field is validated here, once, with a message that names
+it, so the worker never meets a float, a bool or a non-positive size.
+"""
+
+from __future__ import annotations
+
+import numbers
+from dataclasses import dataclass
+
+import numpy as np
+
+ROW_DTYPES = (np.dtype(np.uint8), np.dtype(np.uint16))
+
+
+def require_int(name: str, value: object, *, minimum: int = 1) -> int:
+    """``value`` as an ``int`` when it is an integer (not a bool) ``>= minimum``; else a named
+    error."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise TypeError(f"{name} must be an integer, got {type(value).__name__} {value!r}")
+    if value < minimum:
+        raise ValueError(f"{name} must be >= {minimum}, got {value}")
+    return int(value)
+
+
+def row_dtype(num_experts: int) -> np.dtype:
+    """vLLM's output dtype for routed-expert ids: uint8 up to 256 experts, else uint16."""
+    num_experts = require_int("num_experts", num_experts)
+    return np.dtype(np.uint8 if num_experts <= 256 else np.uint16)
+
+
+@dataclass(frozen=True)
+class WorkerSizing:
+    """Sizes of one worker connector.
+
+    Attributes:
+        shape_per_token: ``(L, K)``: hidden layers (dense ones stay 0) and top-k.
+        dtype: row dtype, ``uint8`` (<= 256 experts) or ``uint16``.
+        hash_block_size: tokens per hash block ``B`` (one store object per block).
+        max_num_seqs, max_num_batched_tokens, max_concurrent_batches: scheduler limits.
+        max_bytes: initial store capacity for published blocks.
+    """
+
+    shape_per_token: tuple[int, int]
+    dtype: np.dtype
+    hash_block_size: int
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    max_concurrent_batches: int
+    max_bytes: int
+
+    def __post_init__(self) -> None:
+        shape = self.shape_per_token
+        if not isinstance(shape, (tuple, list)) or len(shape) != 2:
+            raise ValueError(f"shape_per_token must be (L, K), got {shape!r}")
+        shape = (require_int("shape_per_token[0] (L)", shape[0]),
+                 require_int("shape_per_token[1] (K)", shape[1]))  # fmt: skip
+        object.__setattr__(self, "shape_per_token", shape)
+        try:
+            dtype = np.dtype(self.dtype)
+        except TypeError as error:
+            raise TypeError(f"dtype must be uint8 or uint16, got {self.dtype!r}") from error
+        if dtype not in ROW_DTYPES:
+            raise ValueError(f"dtype must be uint8 or uint16, got {dtype}")
+        object.__setattr__(self, "dtype", dtype)
+        for name in (
+            "hash_block_size",
+            "max_num_seqs",
+            "max_num_batched_tokens",
+            "max_concurrent_batches",
+            "max_bytes",
+        ):
+            object.__setattr__(self, name, require_int(name, getattr(self, name)))
+        if self.max_bytes < self.block_nbytes:
+            raise ValueError(
+                f"max_bytes must hold at least one block of {self.block_nbytes} bytes "
+                f"(hash_block_size x L x K x itemsize), got {self.max_bytes}"
+            )
+
+    @classmethod
+    def for_model(
+        cls,
+        *,
+        num_layers: int,
+        top_k: int,
+        num_experts: int,
+        hash_block_size: int,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+        max_concurrent_batches: int,
+        max_bytes: int,
+    ) -> WorkerSizing:
+        """Sizing for a model with ``num_experts`` experts (which sets the row dtype)."""
+        return cls(
+            shape_per_token=(num_layers, top_k),
+            dtype=row_dtype(num_experts),
+            hash_block_size=hash_block_size,
+            max_num_seqs=max_num_seqs,
+            max_num_batched_tokens=max_num_batched_tokens,
+            max_concurrent_batches=max_concurrent_batches,
+            max_bytes=max_bytes,
+        )
+
+    @property
+    def num_layers(self) -> int:
+        return self.shape_per_token[0]
+
+    @property
+    def top_k(self) -> int:
+        return self.shape_per_token[1]
+
+    @property
+    def row_nbytes(self) -> int:
+        """Bytes of one token's row ``[L, K]``."""
+        return self.shape_per_token[0] * self.shape_per_token[1] * self.dtype.itemsize
+
+    @property
+    def block_nbytes(self) -> int:
+        """Bytes of one hash block of rows (one store object)."""
+        return self.hash_block_size * self.row_nbytes
+
+    @property
+    def blocks_per_step(self) -> int:
+        """Most hash blocks one step's rows can touch: its tokens plus each request's
+        partial first block."""
+        return -(-self.max_num_batched_tokens // self.hash_block_size) + self.max_num_seqs
