@@ -20,8 +20,9 @@ class Status(enum.IntEnum):
 
     OK = 0
     BAD_REJECTED = 1  # num_rejected[r] outside [0, n_r]
-    BAD_BLOCK = 2  # a needed block is outside the slot table, or maps to a slot outside [0, S)
-    BAD_ROWS = 3  # query_start_loc[r] < 0, decreasing, or past the num_rows bound
+    BAD_BLOCK = 2  # a needed block is outside [block_lo, block_hi] or the table, or maps to a
+    # slot outside [0, S)
+    BAD_ROWS = 3  # query_start_loc starts < 0 or decreases anywhere, or r's rows pass num_rows
 
 
 STATUS_OK = int(Status.OK)
@@ -42,9 +43,9 @@ class GatherPackShape:
     row_limit: int  # rows that may be read: min(num_rows bound, capture rows)
     num_layers: int  # L
     top_k: int  # K
-    hash_block: int  # B, rows per destination slot
-    num_slots: int  # S
-    table_width: int  # M
+    hash_block: int  # B, rows per slot
+    num_slots: int  # S, slots the table may name
+    rows_layout: bool  # dest is [rows, L, K] staging, not [S, B, L, K] slots
 
 
 def _fail(name: str, expected: str, tensor_or_value: object) -> ValueError:
@@ -76,8 +77,10 @@ def _inner_dense(t: torch.Tensor, start_dim: int) -> bool:
     return True
 
 
-def _is_count(value: object, upper: int) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool) and 0 <= value <= upper
+def _is_count(value: object, upper: int | None = None, lower: int = 0) -> bool:
+    if not isinstance(value, int) or isinstance(value, bool) or value < lower:
+        return False
+    return upper is None or value <= upper
 
 
 def _check_writable_place(name: str, t: torch.Tensor, capture: torch.Tensor) -> None:
@@ -93,17 +96,69 @@ def _check_writable_place(name: str, t: torch.Tensor, capture: torch.Tensor) -> 
     )
 
 
+def _same_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
+    if a.device != b.device or a.device.type == "meta":
+        return False
+    return a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
+
+
+def _check_dest(
+    dest: torch.Tensor, capture: torch.Tensor, hash_block: object, num_slots: object
+) -> tuple[int, int, bool]:
+    """``(hash_block, num_slots, rows_layout)`` of a valid ``dest``; rows of distinct slots
+    (or staging rows) must never share memory, or a write would land where none was asked."""
+    L, K = capture.shape[1:]
+    if not isinstance(dest, torch.Tensor) or dest.dim() not in (3, 4):
+        expected = f"[S, B, {L}, {K}] slots or [rows, {L}, {K}] staging"
+        raise _fail("dest", expected, dest if isinstance(dest, torch.Tensor) else type(dest))
+    _check_tensor("dest", dest, dest.dim(), DEST_DTYPES)
+    rows_layout = dest.dim() == 3
+    if tuple(dest.shape[-2:]) != (L, K):
+        layout = f"[rows, {L}, {K}]" if rows_layout else f"[S, B, {L}, {K}]"
+        raise _fail("dest", f"{layout} (L, K of capture)", dest)
+    if rows_layout:
+        if not _is_count(hash_block, lower=1):
+            raise _fail("hash_block", "an int >= 1 (required with a [rows, L, K] dest)", hash_block)
+        if not _is_count(num_slots):
+            raise _fail("num_slots", "an int >= 0 (required with a [rows, L, K] dest)", num_slots)
+    else:
+        if dest.shape[1] == 0:
+            raise _fail("dest", "of a positive block size B (dim 1)", dest)
+        if hash_block is not None and hash_block != dest.shape[1]:
+            raise _fail("hash_block", f"None or dest.shape[1] ({dest.shape[1]})", hash_block)
+        if num_slots is not None and not _is_count(num_slots, dest.shape[0]):
+            raise _fail("num_slots", f"None or an int in [0, {dest.shape[0]}]", num_slots)
+        hash_block = dest.shape[1]
+        num_slots = dest.shape[0] if num_slots is None else num_slots
+    if not _inner_dense(dest, 1):
+        what = "each row" if rows_layout else "each slot (dims B, L, K)"
+        raise _fail("dest", f"contiguous within {what}", dest)
+    unit = dest[0].numel() if dest.shape[0] else 0
+    if dest.shape[0] > 1 and dest.stride(0) < unit:
+        what = "rows" if rows_layout else "slots"
+        raise _fail("dest", f"of non-overlapping {what} (stride(0) >= {unit})", dest)
+    _check_writable_place("dest", dest, capture)
+    if _same_memory(dest, capture):
+        raise _fail("dest", "memory apart from capture's", dest)
+    return int(hash_block), int(num_slots), rows_layout
+
+
 def check_gather_pack_args(
+    *,
     capture: torch.Tensor,
     query_start_loc: torch.Tensor,
-    start_pos: torch.Tensor,
-    first_block: torch.Tensor,
+    positions: torch.Tensor,
+    table_row: torch.Tensor,
+    block_lo: torch.Tensor,
+    block_hi: torch.Tensor,
     slot_table: torch.Tensor,
     dest: torch.Tensor,
     step_info: torch.Tensor,
     num_rejected: torch.Tensor | None,
     num_reqs: int | None,
     num_rows: int | None,
+    hash_block: int | None,
+    num_slots: int | None,
 ) -> GatherPackShape:
     """Validate one gather_pack call; raises ValueError naming the argument at fault."""
     _check_tensor("capture", capture, 3, CAPTURE_DTYPES)
@@ -112,15 +167,7 @@ def check_gather_pack_args(
     num_cap_rows, num_layers, top_k = capture.shape
     if num_layers == 0 or top_k == 0:
         raise _fail("capture", "non-empty in L and K", capture)
-
-    _check_tensor("dest", dest, 4, DEST_DTYPES)
-    if tuple(dest.shape[2:]) != (num_layers, top_k):
-        raise _fail("dest", f"[S, B, {num_layers}, {top_k}] (L, K of capture)", dest)
-    if dest.shape[1] == 0:
-        raise _fail("dest", "of a positive block size B (dim 1)", dest)
-    if not _inner_dense(dest, 1):
-        raise _fail("dest", "contiguous within each slot (dims B, L, K; slot stride free)", dest)
-    _check_writable_place("dest", dest, capture)
+    hash_block, num_slots, rows_layout = _check_dest(dest, capture, hash_block, num_slots)
 
     _check_tensor("query_start_loc", query_start_loc, 1, INDEX_DTYPES)
     max_reqs = query_start_loc.shape[0] - 1
@@ -134,8 +181,13 @@ def check_gather_pack_args(
         num_rows = num_cap_rows
     if not _is_count(num_rows, num_cap_rows):
         raise _fail("num_rows", f"an int in [0, {num_cap_rows}] (capture rows)", num_rows)
+    if rows_layout and dest.shape[0] < num_rows:
+        raise _fail("dest", f"[rows >= num_rows ({num_rows}), L, K]", dest)
 
-    for name, t in (("start_pos", start_pos), ("first_block", first_block)):
+    _check_tensor("positions", positions, 1, INDEX_DTYPES)
+    if positions.shape[0] < num_rows:
+        raise _fail("positions", f"of length >= num_rows ({num_rows})", positions)
+    for name, t in (("table_row", table_row), ("block_lo", block_lo), ("block_hi", block_hi)):
         _check_tensor(name, t, 1, INDEX_DTYPES)
         if t.shape[0] < num_reqs:
             raise _fail(name, f"of length >= num_reqs ({num_reqs})", t)
@@ -145,22 +197,26 @@ def check_gather_pack_args(
             raise _fail("num_rejected", f"of length >= num_reqs ({num_reqs})", num_rejected)
 
     _check_tensor("slot_table", slot_table, 2, INDEX_DTYPES)
-    if slot_table.shape[0] < num_reqs:
-        raise _fail("slot_table", f"[R, M] with R >= num_reqs ({num_reqs})", slot_table)
+    if slot_table.shape[1] == 0:
+        raise _fail("slot_table", "[N, W] with a ring width W >= 1", slot_table)
     if slot_table.shape[1] > 1 and slot_table.stride(1) != 1:
         raise _fail("slot_table", "contiguous along dim 1", slot_table)
 
     _check_tensor("step_info", step_info, 2, (torch.int32,))
     if step_info.shape[0] < num_reqs or step_info.shape[1] != 3:
         raise _fail("step_info", f"[R, 3] with R >= num_reqs ({num_reqs})", step_info)
-    if step_info.stride(1) != 1:
-        raise _fail("step_info", "contiguous along dim 1", step_info)
+    if step_info.stride(1) != 1 or (step_info.shape[0] > 1 and step_info.stride(0) < 3):
+        raise _fail("step_info", "of non-overlapping rows, contiguous along dim 1", step_info)
     _check_writable_place("step_info", step_info, capture)
+    if _same_memory(step_info, dest) or _same_memory(step_info, capture):
+        raise _fail("step_info", "memory apart from dest and capture", step_info)
 
     for name, t in (
         ("query_start_loc", query_start_loc),
-        ("start_pos", start_pos),
-        ("first_block", first_block),
+        ("positions", positions),
+        ("table_row", table_row),
+        ("block_lo", block_lo),
+        ("block_hi", block_hi),
         ("slot_table", slot_table),
         ("num_rejected", num_rejected),
     ):
@@ -172,7 +228,7 @@ def check_gather_pack_args(
         row_limit=num_rows,
         num_layers=num_layers,
         top_k=top_k,
-        hash_block=dest.shape[1],
-        num_slots=dest.shape[0],
-        table_width=slot_table.shape[1],
+        hash_block=hash_block,
+        num_slots=num_slots,
+        rows_layout=rows_layout,
     )

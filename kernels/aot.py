@@ -28,8 +28,8 @@ from triton.compiler import ASTSource
 
 from r3capture.kernels.gather_pack import _NUM_WARPS, _gather_pack_kernel, _tile_config
 
-_SIZE_ARGS = ("num_reqs", "row_limit", "num_slots", "table_width", "num_steps")
-_STRIDE_ARGS = ("stride_table_r", "stride_dest_s", "stride_info_r")
+_SIZE_ARGS = ("num_reqs", "row_limit", "num_slots", "num_table_rows", "ring_width", "num_steps")
+_STRIDE_ARGS = ("stride_table_r", "stride_dest", "stride_info_r")
 
 
 @dataclass(frozen=True)
@@ -42,16 +42,20 @@ class GatherPackSpec:
     hash_block: int
     capture: str = "i32"  # Triton element type of capture
     dest: str = "u8"
-    index: str = "i32"  # query_start_loc, start_pos, first_block, slot_table, num_rejected
+    index: str = "i32"  # query_start_loc, table_row, block bounds, slot_table, num_rejected
+    positions: str = "i64"  # MRV2's input_batch.positions
     has_rejected: bool = True
+    rows_layout: bool = False  # dest is device staging in step-row order
 
     def source(self) -> ASTSource:
         fn = _gather_pack_kernel
         signature = {
             "capture_ptr": f"*{self.capture}",
             "qsl_ptr": f"*{self.index}",
-            "start_ptr": f"*{self.index}",
-            "first_block_ptr": f"*{self.index}",
+            "pos_ptr": f"*{self.positions}",
+            "table_row_ptr": f"*{self.index}",
+            "block_lo_ptr": f"*{self.index}",
+            "block_hi_ptr": f"*{self.index}",
             "table_ptr": f"*{self.index}",
             "rejected_ptr": f"*{self.index}",
             "dest_ptr": f"*{self.dest}",
@@ -62,6 +66,7 @@ class GatherPackSpec:
             "ROW_ELEMS": self.num_layers * self.top_k,
             "HASH_BLOCK": self.hash_block,
             "HAS_REJECTED": self.has_rejected,
+            "ROWS_LAYOUT": self.rows_layout,
             **_tile_config(self.num_layers * self.top_k),
         }
         signature.update({name: "constexpr" for name in constexprs})
@@ -77,6 +82,8 @@ GATHER_PACK_SPECS = (
     GatherPackSpec("qwen3-30b-a3b-48x8-B16-i32-u8-norej", 48, 8, 16, has_rejected=False),
     GatherPackSpec("kimi-k2-61x8-B16-i32-u16", 61, 8, 16, dest="u16"),
     GatherPackSpec("kimi-k2-61x8-B16-i32-u16-norej", 61, 8, 16, dest="u16", has_rejected=False),
+    GatherPackSpec("qwen3-30b-a3b-48x8-B16-i32-u8-rows", 48, 8, 16, rows_layout=True),
+    GatherPackSpec("kimi-k2-61x8-B16-i32-u16-rows", 61, 8, 16, dest="u16", rows_layout=True),
     GatherPackSpec("deepseek-v3-61x8-B32-i64idx-u8", 61, 8, 32, index="i64"),
     GatherPackSpec("narrow-capture-36x4-B16-u16-u16", 36, 4, 16, capture="u16", dest="u16"),
     GatherPackSpec("mixtral-32x2-B16-i32-u8", 32, 2, 16),

@@ -1,11 +1,15 @@
 """Gather each request's accepted routed-experts rows and pack them into block-aligned slots.
 
-One launch per engine step, after rejection sampling, with no host synchronization. The
-row of token position ``p`` of request ``r`` lands at ``dest[slot_table[r, p // B -
-first_block[r]], p % B]``, cast to ``dest``'s dtype, so every complete hash block comes out
-whole and contiguous in its slot. ``dest`` is either pinned host memory (the kernel's stores
-cross PCIe directly) or device staging of the same layout (the caller then copies the slots
-it needs).
+One launch per engine step, after rejection sampling, with no host synchronization. Request
+r's rows sit at token positions ``positions[qsl[r]] + i`` (the device's own positions, so a
+request that reattached below the scheduler's view after a rejected speculative suffix is
+placed correctly); the row of position ``p`` lands at ``dest[slot, p % B]`` with
+``slot = slot_table[table_row[r], (p // B) % W]``, cast to ``dest``'s dtype, so every
+complete hash block comes out whole and contiguous in its slot. The slot table is a ring
+per request that the host keeps on the device and updates only where a request crosses into
+a new block, so a decode step needs no per-step table at all. ``dest`` is the pinned host
+arena itself (the kernel's stores cross PCIe directly) or, where a GPU cannot write host
+memory, device staging in step-row order that the host places with the same table.
 
 Work split: one 1-D grid of max(cdiv(num_rows bound, BLOCK_ROWS), cdiv(R, BLOCK_REQS))
 programs (host-known bounds, so a CUDA graph can be captured at the maximum sizes; rows past
@@ -39,11 +43,12 @@ from r3capture.kernels._common import (
     STATUS_BAD_REJECTED,
     STATUS_BAD_ROWS,
     STATUS_OK,
+    GatherPackShape,
     check_gather_pack_args,
 )
 from r3capture.kernels._device import can_write_host_directly
 
-# Row tiles of at most 8 rows x ~4096 elements keep every specialization at ~113-153
+# Row tiles of at most 8 rows x ~4096 elements keep every specialization at ~140-167
 # registers with no spills on sm_80/sm_90 (ptxas -v; 16 or 32 rows spill for narrow rows).
 # The slot-table scans use tiles of the same shape, so a long prefill chunk's range (513
 # columns for 8192 rows at B=16) takes two dependent loads rather than a long loop of them.
@@ -60,15 +65,39 @@ _BAD_ROWS = tl.constexpr(STATUS_BAD_ROWS)
 
 
 @triton.jit
+def _qsl_is_sane(qsl_ptr, num_reqs, SCAN: tl.constexpr):
+    """True when qsl[0] >= 0 and qsl[0..num_reqs] never decreases.
+
+    Rows are mapped to requests by a binary search that is only meaningful on a sorted
+    query_start_loc; anything else fails every request of the step. Every program checks
+    all of it (num_reqs / SCAN loads of an array that stays in L2).
+    """
+    num_bad = (tl.load(qsl_ptr).to(tl.int64) < 0).to(tl.int32)
+    c0 = num_reqs * 0
+    while c0 < num_reqs:  # not range(): see _any_bad_slot
+        o_q = c0 + tl.arange(0, SCAN)
+        m_q = o_q < num_reqs
+        b_lo = tl.load(qsl_ptr + o_q, mask=m_q, other=0)
+        b_hi = tl.load(qsl_ptr + o_q + 1, mask=m_q, other=0)
+        num_bad += tl.sum((m_q & (b_hi < b_lo)).to(tl.int32), axis=0)
+        c0 += SCAN
+    return num_bad == 0
+
+
+@triton.jit
 def _request_fields(
     o_r,
     m_r,
     qsl_ptr,
-    start_ptr,
-    first_block_ptr,
+    pos_ptr,
+    table_row_ptr,
+    block_lo_ptr,
+    block_hi_ptr,
     rejected_ptr,
+    qsl_sane,
     row_limit,
-    table_width,
+    num_table_rows,
+    ring_width,
     HAS_REJECTED: tl.constexpr,
     HASH_BLOCK: tl.constexpr,
 ):
@@ -80,48 +109,66 @@ def _request_fields(
         rejected = tl.load(rejected_ptr + o_r, mask=m_r, other=0).to(tl.int64)
     else:
         rejected = tl.zeros_like(num_sched)
-    start = tl.load(start_ptr + o_r, mask=m_r, other=0).to(tl.int64)
-    first_block = tl.load(first_block_ptr + o_r, mask=m_r, other=0).to(tl.int64)
     accepted = num_sched - rejected
+    bad_rows = ~qsl_sane | (q_end > row_limit)
+    # The first row's device position is the request's start (async scheduling may place it
+    # below the scheduler's view after a rejected speculative suffix).
+    readable = m_r & ~bad_rows & (num_sched > 0)
+    start = tl.load(pos_ptr + q_begin, mask=readable, other=-1).to(tl.int64)
+    table_row = tl.load(table_row_ptr + o_r, mask=m_r, other=0).to(tl.int64)
+    block_lo = tl.load(block_lo_ptr + o_r, mask=m_r, other=0).to(tl.int64)
+    block_hi = tl.load(block_hi_ptr + o_r, mask=m_r, other=0).to(tl.int64)
 
-    bad_rows = (q_begin < 0) | (q_end < q_begin) | (q_end > row_limit)
     bad_rejected = (rejected < 0) | (rejected > num_sched)
     needs_blocks = m_r & ~bad_rows & ~bad_rejected & (accepted > 0)
     # Clamped so the divisions below never see a negative position (C and Python disagree).
     safe_start = tl.maximum(start, 0)
-    col_lo = safe_start // HASH_BLOCK - first_block
-    col_hi = (safe_start + accepted - 1) // HASH_BLOCK - first_block
-    bad_range = needs_blocks & ((start < 0) | (col_lo < 0) | (col_hi >= table_width))
+    first = safe_start // HASH_BLOCK
+    last = (safe_start + accepted - 1) // HASH_BLOCK
+    bad_range = (start < 0) | (first < block_lo) | (last > block_hi)
+    bad_table = (
+        (table_row < 0) | (table_row >= num_table_rows) | (block_hi - block_lo >= ring_width)
+    )
+    bad_block = needs_blocks & (bad_range | bad_table)
     status = tl.where(
         bad_rows,
         _BAD_ROWS,
-        tl.where(bad_rejected, _BAD_REJECTED, tl.where(bad_range, _BAD_BLOCK, 0)),
+        tl.where(bad_rejected, _BAD_REJECTED, tl.where(bad_block, _BAD_BLOCK, 0)),
     )
-    num_cols = tl.where(needs_blocks & ~bad_range, col_hi - col_lo + 1, 0)
-    return q_begin, q_end, start, first_block, accepted, status, col_lo, num_cols
+    num_cols = tl.where(needs_blocks & ~bad_block, last - first + 1, 0)
+    return q_begin, q_end, start, table_row, accepted, status, first, num_cols
 
 
 @triton.jit
 def _any_bad_slot(
-    o_r,
-    col_lo,
+    table_row,
+    first,
     num_cols,
     table_ptr,
     stride_table_r,
+    ring_width,
     num_slots,
     SCAN: tl.constexpr,
 ):
-    """[N] bool: some slot_table[r, col_lo .. col_lo+num_cols) lies outside [0, num_slots)."""
+    """[N] bool: the slot of some block first .. first+num_cols-1 (column block % ring_width
+    of row table_row) lies outside [0, num_slots)."""
     bad = num_cols < 0
     max_cols = tl.max(num_cols, axis=0)
+    # num_cols <= ring_width (the window fits the ring), so a column wraps at most once:
+    # one compare instead of a 64-bit modulo per element of the [N, SCAN] tile.
+    # Columns fit in int32 (ring_width is an int32 argument).
+    first_col = (first % ring_width).to(tl.int32)
+    p_row = table_ptr + table_row * stride_table_r
     c0 = max_cols * 0
     # A while loop: Triton 3.6's interpreter (with numpy >= 2.4) cannot use a runtime value
     # as a range() bound; compiled, it is the same short loop.
     while c0 < max_cols:
-        o_c = c0 + tl.arange(0, SCAN)
+        o_c = c0.to(tl.int32) + tl.arange(0, SCAN)
         m_c = o_c[None, :] < num_cols[:, None]  # [N, SCAN]
-        p_slot = table_ptr + o_r[:, None] * stride_table_r + (col_lo[:, None] + o_c[None, :])
-        b_slot = tl.load(p_slot, mask=m_c, other=0).to(tl.int64)
+        col = first_col[:, None] + o_c[None, :]
+        col = tl.where(col >= ring_width, col - ring_width, col)
+        p_slot = p_row[:, None] + col
+        b_slot = tl.load(p_slot, mask=m_c, other=0)
         b_bad = m_c & ((b_slot < 0) | (b_slot >= num_slots))
         bad = bad | (tl.max(b_bad.to(tl.int32), axis=1) > 0)
         c0 += SCAN
@@ -130,16 +177,18 @@ def _any_bad_slot(
 
 @triton.jit(
     do_not_specialize=[
-        "num_reqs", "row_limit", "num_slots", "table_width", "num_steps", "stride_table_r",
-        "stride_info_r",
+        "num_reqs", "row_limit", "num_slots", "num_table_rows", "ring_width", "num_steps",
+        "stride_table_r", "stride_info_r",
     ]
 )  # fmt: skip
 def _gather_pack_kernel(
     # pointers
     capture_ptr,
     qsl_ptr,
-    start_ptr,
-    first_block_ptr,
+    pos_ptr,
+    table_row_ptr,
+    block_lo_ptr,
+    block_hi_ptr,
     table_ptr,
     rejected_ptr,
     dest_ptr,
@@ -148,16 +197,18 @@ def _gather_pack_kernel(
     num_reqs,
     row_limit,
     num_slots,
-    table_width,
+    num_table_rows,
+    ring_width,
     num_steps,
     # strides, in elements
     stride_table_r,
-    stride_dest_s,
+    stride_dest,
     stride_info_r,
     # meta
     ROW_ELEMS: tl.constexpr,
     HASH_BLOCK: tl.constexpr,
     HAS_REJECTED: tl.constexpr,
+    ROWS_LAYOUT: tl.constexpr,
     BLOCK_ROWS: tl.constexpr,
     BLOCK_COLS: tl.constexpr,
     BLOCK_REQS: tl.constexpr,
@@ -165,18 +216,21 @@ def _gather_pack_kernel(
     SCAN_ROWS: tl.constexpr,
 ):
     i_p = tl.program_id(0).to(tl.int64)
+    qsl_sane = _qsl_is_sane(qsl_ptr, num_reqs, SCAN_REQS)
 
     # Job 1: step_info for requests [i_p * BLOCK_REQS, (i_p + 1) * BLOCK_REQS).
     if i_p * BLOCK_REQS < num_reqs:
         o_r = i_p * BLOCK_REQS + tl.arange(0, BLOCK_REQS)
         m_r = o_r < num_reqs
-        _, _, start, _, accepted, status, col_lo, num_cols = _request_fields(
-            o_r, m_r, qsl_ptr, start_ptr, first_block_ptr, rejected_ptr, row_limit,
-            table_width, HAS_REJECTED, HASH_BLOCK,
+        _, _, start, table_row, accepted, status, first, num_cols = _request_fields(
+            o_r, m_r, qsl_ptr, pos_ptr, table_row_ptr, block_lo_ptr, block_hi_ptr,
+            rejected_ptr, qsl_sane, row_limit, num_table_rows, ring_width, HAS_REJECTED,
+            HASH_BLOCK,
         )  # fmt: skip
         bad_slot = _any_bad_slot(
-            o_r, col_lo, num_cols, table_ptr, stride_table_r, num_slots, SCAN_REQS
-        )
+            table_row, first, num_cols, table_ptr, stride_table_r, ring_width, num_slots,
+            SCAN_REQS,
+        )  # fmt: skip
         status = tl.where(bad_slot, _BAD_BLOCK, status)
         accepted = tl.where(status == _OK, accepted, -1)
         p_info = info_ptr + o_r * stride_info_r
@@ -187,7 +241,7 @@ def _gather_pack_kernel(
     # Job 2: capture rows [i_p * BLOCK_ROWS, (i_p + 1) * BLOCK_ROWS) of the step.
     num_rows = tl.minimum(tl.load(qsl_ptr + num_reqs).to(tl.int64), row_limit)
     row_start = i_p * BLOCK_ROWS
-    if row_start < num_rows:
+    if qsl_sane & (row_start < num_rows):
         o_t = row_start + tl.arange(0, BLOCK_ROWS)
         m_t = o_t < num_rows
         # Largest r in [0, num_reqs) with qsl[r] <= t; invariant: answer in [lo, hi).
@@ -203,18 +257,19 @@ def _gather_pack_kernel(
             hi = tl.where(m_mid & ~go_right, mid, hi)
             step += 1
         o_r = lo
-        q_begin, q_end, start, first_block, accepted, status, col_lo, num_cols = (
+        q_begin, q_end, start, table_row, accepted, status, first, num_cols = (
             _request_fields(
-                o_r, m_t, qsl_ptr, start_ptr, first_block_ptr, rejected_ptr, row_limit,
-                table_width, HAS_REJECTED, HASH_BLOCK,
+                o_r, m_t, qsl_ptr, pos_ptr, table_row_ptr, block_lo_ptr, block_hi_ptr,
+                rejected_ptr, qsl_sane, row_limit, num_table_rows, ring_width, HAS_REJECTED,
+                HASH_BLOCK,
             )
         )  # fmt: skip
         owned = m_t & (q_begin <= o_t) & (o_t < q_end)
         # The first row of each request inside this tile scans that request's slot range.
         leader = owned & ((o_t == q_begin) | (o_t == row_start))
         bad_slot = _any_bad_slot(
-            o_r, col_lo, tl.where(leader, num_cols, 0), table_ptr, stride_table_r, num_slots,
-            SCAN_ROWS,
+            table_row, first, tl.where(leader, num_cols, 0), table_ptr, stride_table_r,
+            ring_width, num_slots, SCAN_ROWS,
         )  # fmt: skip
         same_req = (o_r[:, None] == o_r[None, :]) & (leader & bad_slot)[None, :]
         bad_slot = tl.max(same_req.to(tl.int32), axis=1) > 0  # [BLOCK_ROWS], from the leader
@@ -222,8 +277,8 @@ def _gather_pack_kernel(
         i_row = o_t - q_begin
         write = owned & (status == _OK) & ~bad_slot & (i_row < accepted)
         pos = tl.where(write, start + i_row, 0)
-        col = pos // HASH_BLOCK - first_block
-        b_slot = tl.load(table_ptr + o_r * stride_table_r + col, mask=write, other=0)
+        col = (pos // HASH_BLOCK) % ring_width
+        b_slot = tl.load(table_ptr + table_row * stride_table_r + col, mask=write, other=0)
         b_slot = b_slot.to(tl.int64)
         # Already implied by status == OK; repeated per row so that no bug in the status
         # logic can ever turn into a store outside the arena.
@@ -234,7 +289,10 @@ def _gather_pack_kernel(
         m_tile = write[:, None] & m_e[None, :]  # [BLOCK_ROWS, BLOCK_COLS]
         p_src = capture_ptr + o_t[:, None] * ROW_ELEMS + o_e[None, :]
         b_rows = tl.load(p_src, mask=m_tile, other=0)
-        dst_row = b_slot * stride_dest_s + (pos % HASH_BLOCK) * ROW_ELEMS
+        if ROWS_LAYOUT:
+            dst_row = o_t * stride_dest
+        else:
+            dst_row = b_slot * stride_dest + (pos % HASH_BLOCK) * ROW_ELEMS
         p_dst = dest_ptr + dst_row[:, None] + o_e[None, :]
         tl.store(p_dst, b_rows.to(dest_ptr.dtype.element_ty), mask=m_tile)
 
@@ -261,22 +319,8 @@ def _interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
-def _launch(
-    capture: torch.Tensor,
-    query_start_loc: torch.Tensor,
-    start_pos: torch.Tensor,
-    first_block: torch.Tensor,
-    slot_table: torch.Tensor,
-    dest: torch.Tensor,
-    step_info: torch.Tensor,
-    num_rejected: torch.Tensor | None,
-    num_reqs: int | None,
-    num_rows: int | None,
-) -> None:
-    shape = check_gather_pack_args(
-        capture, query_start_loc, start_pos, first_block, slot_table, dest, step_info,
-        num_rejected, num_reqs, num_rows,
-    )  # fmt: skip
+def _launch(args: dict, shape: GatherPackShape) -> None:
+    capture, dest, step_info = args["capture"], args["dest"], args["step_info"]
     if not capture.is_cuda and not _interpreting():
         raise ValueError(
             "gather_pack: impl='triton' needs a CUDA capture or TRITON_INTERPRET=1 "
@@ -291,7 +335,7 @@ def _launch(
             raise ValueError(
                 f"gather_pack: {name} is pinned host memory, but kernels on {capture.device} "
                 "cannot write host memory directly (no unified addressing); pass a device "
-                "staging tensor of the same layout and copy it to the host"
+                "staging tensor and copy it to the host"
             )
     if shape.num_reqs == 0:
         return
@@ -303,14 +347,18 @@ def _launch(
             triton.cdiv(shape.num_reqs, tiles["BLOCK_REQS"]),
         ),
     )
+    num_rejected = args["num_rejected"]
+    slot_table = args["slot_table"]
     # Without num_rejected the pointer is never read (HAS_REJECTED is constexpr False); any
     # valid pointer keeps the signature, and so the compiled variants, the same.
-    rejected = num_rejected if num_rejected is not None else query_start_loc
+    rejected = num_rejected if num_rejected is not None else args["table_row"]
     kwargs = dict(
         capture_ptr=capture,
-        qsl_ptr=query_start_loc,
-        start_ptr=start_pos,
-        first_block_ptr=first_block,
+        qsl_ptr=args["query_start_loc"],
+        pos_ptr=args["positions"],
+        table_row_ptr=args["table_row"],
+        block_lo_ptr=args["block_lo"],
+        block_hi_ptr=args["block_hi"],
         table_ptr=slot_table,
         rejected_ptr=rejected,
         dest_ptr=dest,
@@ -318,14 +366,16 @@ def _launch(
         num_reqs=shape.num_reqs,
         row_limit=shape.row_limit,
         num_slots=shape.num_slots,
-        table_width=shape.table_width,
+        num_table_rows=slot_table.shape[0],
+        ring_width=slot_table.shape[1],
         num_steps=(shape.num_reqs - 1).bit_length(),
         stride_table_r=slot_table.stride(0),
-        stride_dest_s=dest.stride(0),
+        stride_dest=dest.stride(0),
         stride_info_r=step_info.stride(0),
         ROW_ELEMS=shape.num_layers * shape.top_k,
         HASH_BLOCK=shape.hash_block,
         HAS_REJECTED=num_rejected is not None,
+        ROWS_LAYOUT=shape.rows_layout,
         num_warps=_NUM_WARPS,
         **tiles,
     )
@@ -339,8 +389,10 @@ def _launch(
 def gather_pack(
     capture: torch.Tensor,
     query_start_loc: torch.Tensor,
-    start_pos: torch.Tensor,
-    first_block: torch.Tensor,
+    positions: torch.Tensor,
+    table_row: torch.Tensor,
+    block_lo: torch.Tensor,
+    block_hi: torch.Tensor,
     slot_table: torch.Tensor,
     dest: torch.Tensor,
     step_info: torch.Tensor,
@@ -348,56 +400,72 @@ def gather_pack(
     *,
     num_reqs: int | None = None,
     num_rows: int | None = None,
+    hash_block: int | None = None,
+    num_slots: int | None = None,
     impl: str = "auto",
 ) -> None:
-    """Write each request's accepted rows of one step into block-aligned ``dest`` slots.
+    """Write each request's accepted rows of one step block-aligned into store slots.
 
     Args:
         capture: [T, L, K] int32 (vLLM's capture buffer), uint8 or uint16; contiguous.
             Rows ``0 .. query_start_loc[R] - 1`` are the step's rows.
-        query_start_loc: [>= R+1] int32/int64, non-decreasing; request r owns rows
-            ``qsl[r] .. qsl[r+1] - 1``.
-        start_pos: [>= R] int32/int64, token position of request r's first row in this step.
-        first_block: [>= R] int32/int64, the hash-block index that ``slot_table[r, 0]`` maps.
-        slot_table: [>= R, M] int32/int64, destination slot of block ``first_block[r] + j``;
-            -1 = unmapped. Slots must be distinct across the step (the host allocates them).
-        dest: [S, B, L, K] uint8/uint16, each slot contiguous (any slot stride); on
-            capture's device, or pinned host memory when
-            ``can_write_host_directly(capture.device)``. B = hash block size.
-        step_info: [>= R, 3] int32, out: ``(start_pos[r], accepted rows or -1, status)``.
+        query_start_loc: [>= R+1] int32/int64; request r owns rows ``qsl[r] .. qsl[r+1]-1``.
+            Must start at >= 0 and never decrease; otherwise every request is BAD_ROWS.
+        positions: [>= num_rows] int32/int64, the token position of each row (MRV2's
+            ``input_batch.positions``); request r's rows sit at ``positions[qsl[r]] + i``.
+        table_row: [>= R] int32/int64, the slot-table row of request r.
+        block_lo, block_hi: [>= R] int32/int64, the hash blocks ``block_lo[r] ..= block_hi[r]``
+            request r may write (``block_hi - block_lo < W``).
+        slot_table: [N, W] int32/int64, a ring per row: the slot of hash block b of row n is
+            ``slot_table[n, b % W]``. Slots must be distinct across the step.
+        dest: where rows go, in one of two layouts (on capture's device, or pinned host
+            memory when ``can_write_host_directly(capture.device)``):
+            ``[S, B, L, K]`` uint8/uint16 slots (each slot contiguous, distinct slots never
+            overlap): the row of position p goes to ``dest[slot, p % B]``;
+            ``[>= num_rows, L, K]`` rows (device staging): row t goes to ``dest[t]``, and the
+            caller places it with the same slot table.
+        step_info: [>= R, 3] int32, out: ``(start or -1, accepted rows or -1, status)``.
         num_rejected: [>= R] int32/int64 on capture's device (rejected speculative rows at
             the end of each request's range), or None when nothing is rejected.
         num_reqs: R, requests to handle (default ``len(query_start_loc) - 1``); lets a
             CUDA-graph caller keep tensors sized for the maximum batch.
         num_rows: bound on the step's row count (default T); sizes the grid. Requests whose
             rows pass it get status BAD_ROWS, never a silent partial write.
+        hash_block: B; required for the rows layout, else must match ``dest.shape[1]``.
+        num_slots: S, the slots the table may name; required for the rows layout, else must
+            match ``dest.shape[0]``.
         impl: "auto" (Triton on CUDA or under TRITON_INTERPRET=1, else the torch reference),
             "triton" or "reference".
 
-    For request r with ``n = qsl[r+1] - qsl[r]`` and ``a = n - num_rejected[r]``, row i < a
-    is ``capture[qsl[r] + i]`` cast (wrapping, as torch ``.to``) to ``dest.dtype`` and
-    written to ``dest[slot_table[r, p // B - first_block[r]], p % B]`` with
-    ``p = start_pos[r] + i``. Nothing else in ``dest`` changes. A request with a nonzero
-    status (see ``Status``) writes nothing. No allocation, no host synchronization on the
-    Triton path; raises ValueError naming the argument for a malformed call.
+    For request r with ``n = qsl[r+1] - qsl[r]``, ``a = n - num_rejected[r]`` and start
+    ``s = positions[qsl[r]]``, row i < a is ``capture[qsl[r] + i]`` cast (wrapping, as torch
+    ``.to``) to ``dest.dtype`` and written for position ``p = s + i``. Nothing else in
+    ``dest`` changes. A request with a nonzero status (see ``Status``) writes nothing: its
+    rows are all written or none is. No allocation, no host synchronization on the Triton
+    path; raises ValueError naming the argument for a malformed call.
     """
     if impl not in ("auto", "triton", "reference"):
         raise ValueError(f"gather_pack: impl must be 'auto', 'triton' or 'reference'; got {impl!r}")
-    use_triton = impl == "triton" or (
-        impl == "auto"
-        and isinstance(capture, torch.Tensor)
-        and (capture.is_cuda or _interpreting())
+    args = dict(
+        capture=capture,
+        query_start_loc=query_start_loc,
+        positions=positions,
+        table_row=table_row,
+        block_lo=block_lo,
+        block_hi=block_hi,
+        slot_table=slot_table,
+        dest=dest,
+        step_info=step_info,
+        num_rejected=num_rejected,
     )
+    shape = check_gather_pack_args(
+        **args, num_reqs=num_reqs, num_rows=num_rows, hash_block=hash_block, num_slots=num_slots
+    )
+    use_triton = impl == "triton" or (impl == "auto" and (capture.is_cuda or _interpreting()))
     if use_triton:
-        _launch(
-            capture, query_start_loc, start_pos, first_block, slot_table, dest, step_info,
-            num_rejected, num_reqs, num_rows,
-        )  # fmt: skip
+        _launch(args, shape)
         return
     # Imported here, not at the top: the kernel code never depends on its oracle.
-    from r3capture.kernels.reference import gather_pack_reference
+    from r3capture.kernels.reference import gather_pack_reference_checked
 
-    gather_pack_reference(
-        capture, query_start_loc, start_pos, first_block, slot_table, dest, step_info,
-        num_rejected, num_reqs=num_reqs, num_rows=num_rows,
-    )  # fmt: skip
+    gather_pack_reference_checked(args, shape)

@@ -1,7 +1,7 @@
 """Torch reference for the gather-pack kernel: the test oracle and the fallback without Triton.
 
 Same arguments, statuses, errors and writes as ``r3capture.kernels.gather_pack`` (see its
-docstring for the layout). Written for reading, vectorized over rows so that it is also a
+docstring for the layouts). Written for reading, vectorized over rows so that it is also a
 usable CPU fallback; it synchronizes with the device (it reads the metadata on the host).
 """
 
@@ -14,6 +14,7 @@ from r3capture.kernels._common import (
     STATUS_BAD_REJECTED,
     STATUS_BAD_ROWS,
     STATUS_OK,
+    GatherPackShape,
     check_gather_pack_args,
 )
 
@@ -23,8 +24,10 @@ _CPU = torch.device("cpu")
 def gather_pack_reference(
     capture: torch.Tensor,
     query_start_loc: torch.Tensor,
-    start_pos: torch.Tensor,
-    first_block: torch.Tensor,
+    positions: torch.Tensor,
+    table_row: torch.Tensor,
+    block_lo: torch.Tensor,
+    block_hi: torch.Tensor,
     slot_table: torch.Tensor,
     dest: torch.Tensor,
     step_info: torch.Tensor,
@@ -32,50 +35,79 @@ def gather_pack_reference(
     *,
     num_reqs: int | None = None,
     num_rows: int | None = None,
+    hash_block: int | None = None,
+    num_slots: int | None = None,
 ) -> None:
-    """Write each request's accepted rows of ``capture`` into block-aligned ``dest`` slots.
+    """Write each request's accepted rows of ``capture`` block-aligned into ``dest``.
 
-    capture [T, L, K] int32/uint8/uint16; query_start_loc [>=R+1] int32/int64;
-    start_pos, first_block, num_rejected [>=R] int32/int64; slot_table [>=R, M] int32/int64;
-    dest [S, B, L, K] uint8/uint16 (slots contiguous); step_info [>=R, 3] int32 (out);
-    R = num_reqs.
+    capture [T, L, K] int32/uint8/uint16; query_start_loc [>=R+1], positions [>=num_rows],
+    table_row, block_lo, block_hi, num_rejected [>=R] int32/int64; slot_table [N, W]
+    int32/int64 (ring per row); dest [S, B, L, K] slots or [>=num_rows, L, K] staging,
+    uint8/uint16; step_info [>=R, 3] int32 (out); R = num_reqs.
     """
+    args = dict(
+        capture=capture,
+        query_start_loc=query_start_loc,
+        positions=positions,
+        table_row=table_row,
+        block_lo=block_lo,
+        block_hi=block_hi,
+        slot_table=slot_table,
+        dest=dest,
+        step_info=step_info,
+        num_rejected=num_rejected,
+    )
     shape = check_gather_pack_args(
-        capture, query_start_loc, start_pos, first_block, slot_table, dest, step_info,
-        num_rejected, num_reqs, num_rows,
-    )  # fmt: skip
+        **args, num_reqs=num_reqs, num_rows=num_rows, hash_block=hash_block, num_slots=num_slots
+    )
+    gather_pack_reference_checked(args, shape)
+
+
+def gather_pack_reference_checked(args: dict, shape: GatherPackShape) -> None:
+    """The reference on arguments ``check_gather_pack_args`` has already validated."""
     num_reqs = shape.num_reqs
     if num_reqs == 0:
         return
     block = shape.hash_block
+    capture, dest, step_info = args["capture"], args["dest"], args["step_info"]
 
-    def host(t: torch.Tensor) -> torch.Tensor:
-        return t[:num_reqs].to(_CPU, torch.int64)
+    def host(name: str) -> torch.Tensor:
+        return args[name][:num_reqs].to(_CPU, torch.int64)
 
-    qsl = query_start_loc[: num_reqs + 1].to(_CPU, torch.int64)
+    qsl = args["query_start_loc"][: num_reqs + 1].to(_CPU, torch.int64)
     row_begin, row_end = qsl[:-1], qsl[1:]
     num_sched = row_end - row_begin
-    rejected = host(num_rejected) if num_rejected is not None else torch.zeros_like(num_sched)
-    start, first = host(start_pos), host(first_block)
+    rejected = host("num_rejected") if args["num_rejected"] is not None else num_sched * 0
     accepted = num_sched - rejected
+    table = args["slot_table"].to(_CPU, torch.int64)
+    num_table_rows, ring = table.shape
 
-    bad_rows = (row_begin < 0) | (row_end < row_begin) | (row_end > shape.row_limit)
+    # A query_start_loc that starts below 0 or decreases anywhere fails every request.
+    qsl_sane = bool(qsl[0] >= 0) and bool((num_sched >= 0).all())
+    bad_rows = ~torch.tensor(qsl_sane) | (row_end > shape.row_limit)
+    readable = ~bad_rows & (num_sched > 0)
+    positions = args["positions"][: shape.row_limit].to(_CPU, torch.int64)
+    start = torch.full((num_reqs,), -1, dtype=torch.int64)
+    start[readable] = positions[row_begin[readable]]
     bad_rejected = ~bad_rows & ((rejected < 0) | (rejected > num_sched))
     live = ~bad_rows & ~bad_rejected
 
-    # One entry per accepted row of every request whose rows and rejected count are sane.
-    counts = torch.where(live, accepted, 0)
+    row, lo, hi = host("table_row"), host("block_lo"), host("block_hi")
+    first = torch.div(start.clamp(min=0), block, rounding_mode="floor")
+    last = torch.div(start.clamp(min=0) + accepted - 1, block, rounding_mode="floor")
+    bad_range = (start < 0) | (first < lo) | (last > hi)
+    bad_table = (row < 0) | (row >= num_table_rows) | (hi - lo >= ring)
+    bad_block = live & (accepted > 0) & (bad_range | bad_table)
+
+    # One entry per accepted row of every request whose rows, counts and range are sane.
+    counts = torch.where(live & ~bad_block, accepted, 0)
     req = torch.repeat_interleave(torch.arange(num_reqs), counts)
     first_entry = torch.cumsum(counts, 0) - counts
     i = torch.arange(req.numel()) - first_entry[req]
     pos = start[req] + i
-    table_col = torch.div(pos, block, rounding_mode="floor") - first[req]
-    in_table = (pos >= 0) & (table_col >= 0) & (table_col < shape.table_width)
-    slot = torch.full_like(pos, -1)
-    table = slot_table[:num_reqs].to(_CPU, torch.int64)
-    slot[in_table] = table[req[in_table], table_col[in_table]]
+    slot = table[row[req], torch.div(pos, block, rounding_mode="floor") % ring]
     row_bad = (slot < 0) | (slot >= shape.num_slots)
-    bad_block = torch.zeros(num_reqs, dtype=torch.int64).index_add_(0, req, row_bad.long()) > 0
+    bad_block |= torch.zeros(num_reqs, dtype=torch.int64).index_add_(0, req, row_bad.long()) > 0
 
     status = torch.full((num_reqs,), STATUS_OK, dtype=torch.int64)
     status[bad_block] = STATUS_BAD_BLOCK
@@ -83,15 +115,17 @@ def gather_pack_reference(
     status[bad_rows] = STATUS_BAD_ROWS
 
     write = status[req] == STATUS_OK
-    src_rows = (row_begin[req] + i)[write].to(capture.device)
-    rows = capture[src_rows].to(dest.device).to(dest.dtype)
-    dst_slot = slot[write].to(dest.device)
-    dst_off = (pos[write] % block).to(dest.device)
+    src_rows = row_begin[req] + i
+    rows = capture[src_rows[write].to(capture.device)].to(dest.device).to(dest.dtype)
+    if shape.rows_layout:
+        index = (src_rows[write].to(dest.device),)
+    else:
+        index = (slot[write].to(dest.device), (pos[write] % block).to(dest.device))
     if dest.dtype == torch.uint16:
         # torch has no index_put for uint16; the same bytes through int16 are identical.
-        dest.view(torch.int16)[dst_slot, dst_off] = rows.view(torch.int16)
+        dest.view(torch.int16)[index] = rows.view(torch.int16)
     else:
-        dest[dst_slot, dst_off] = rows
+        dest[index] = rows
 
     info = torch.stack([start, torch.where(status == STATUS_OK, accepted, -1), status], dim=1)
     step_info[:num_reqs] = info.to(torch.int32).to(step_info.device)

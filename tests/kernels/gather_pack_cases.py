@@ -51,11 +51,14 @@ class Case:
     block: int  # hash block size B
     reqs: list[Req]
     with_rejected: bool = True
+    rows_layout: bool = False  # dest is [rows, L, K] staging instead of [S, B, L, K] slots
     index_dtype: torch.dtype = torch.int32
     capture_dtype: torch.dtype = torch.int32
     full_range_values: bool = False  # int32 values far outside [0, E): exercises the wrap
-    first_block_back: int = 0  # table starts this many blocks before the first needed one
-    spare_cols: int = 1  # unmapped (-1) table columns after the last needed one
+    window_back: int = 0  # block_lo this many blocks before the first needed block
+    window_ahead: int = 1  # mapped blocks past the last needed one
+    ring_width: int | None = None  # W; None = the widest window + 1
+    extra_table_rows: int = 2  # table rows no request uses
     spare_slots: int = 3  # slots no request maps: must stay poisoned
     pad_reqs: int = 0  # extra (CUDA-graph padding) entries past num_reqs in every input
     num_rows: int | None = None  # num_rows bound; None = capture rows
@@ -69,7 +72,12 @@ class Case:
 
 
 def build(case: Case, seed: int = 0, device: str | torch.device = "cpu") -> dict:
-    """The case's inputs (``args``: gather_pack keyword arguments) and expected outputs."""
+    """The case's inputs (``args``: gather_pack keyword arguments) and expected outputs.
+
+    Built the way the worker does it: each request owns one row of a ring slot table and a
+    window of hash blocks ``block_lo ..= block_hi`` covering its scheduled rows, every block
+    of the window mapped to a distinct slot; ``positions`` holds each row's token position.
+    """
     rng = random.Random(seed)
     gen = torch.Generator().manual_seed(seed)
     model, block = case.model, case.block
@@ -91,65 +99,84 @@ def build(case: Case, seed: int = 0, device: str | torch.device = "cpu") -> dict
     capture = torch.where(hits_sentinel, capture + 1, capture).to(torch.int32)
     capture = capture.to(case.capture_dtype)
 
-    first_block, cols = [], []
-    for req in case.reqs:
-        lo = req.start // block if req.start >= 0 else 0
-        hi = (req.start + req.rows - 1) // block if req.rows > 0 and req.start >= 0 else lo - 1
-        first_block.append(lo - case.first_block_back)
-        cols.append(hi - lo + 1 + case.first_block_back if hi >= lo else 0)
-    width = max(cols, default=0) + case.spare_cols
-    num_slots = sum(cols) + case.spare_slots
+    # Padding rows carry garbage positions: nothing may read them.
+    positions = torch.full((cap_rows,), -7, dtype=torch.int64)
+    windows = []
+    for r, req in enumerate(case.reqs):
+        positions[qsl[r] : qsl[r + 1]] = torch.arange(req.start, req.start + req.rows)
+        first = max(req.start, 0) // block
+        last = (max(req.start, 0) + max(req.rows, 1) - 1) // block
+        windows.append((first - case.window_back, last + case.window_ahead))
+    width = case.ring_width or max((hi - lo + 1 for lo, hi in windows), default=0) + 1
+    num_table_rows = num_reqs + case.extra_table_rows
+    table_rows = list(range(num_table_rows))
+    rng.shuffle(table_rows)
+    num_slots = sum(min(hi - lo + 1, width) for lo, hi in windows) + case.spare_slots
     order = list(range(num_slots))
     rng.shuffle(order)
-    table = torch.full((num_reqs + case.pad_reqs, width), -1, dtype=torch.int64)
-    next_slot = 0
-    for r, n in enumerate(cols):
-        for j in range(n):
-            table[r, j] = order[next_slot]
-            next_slot += 1
+    table = torch.full((num_table_rows, width), -1, dtype=torch.int64)
+    taken = 0
+    for r, (lo, hi) in enumerate(windows):
+        for b in range(max(lo, hi - width + 1), hi + 1):
+            table[table_rows[r], b % width] = order[taken]
+            taken += 1
 
     pad = case.pad_reqs
     inputs = {
         "capture": capture,
         "query_start_loc": torch.tensor(qsl + [qsl[-1]] * pad, dtype=torch.int64),
-        "start_pos": torch.tensor([q.start for q in case.reqs] + [0] * pad, dtype=torch.int64),
-        "first_block": torch.tensor(first_block + [0] * pad, dtype=torch.int64),
+        "positions": positions,
+        "table_row": torch.tensor(table_rows[:num_reqs] + [0] * pad, dtype=torch.int64),
+        "block_lo": torch.tensor([lo for lo, _ in windows] + [0] * pad, dtype=torch.int64),
+        "block_hi": torch.tensor([hi for _, hi in windows] + [0] * pad, dtype=torch.int64),
         "slot_table": table,
         "num_rejected": torch.tensor(
             [q.rejected for q in case.reqs] + [0] * pad, dtype=torch.int64
         ),
     }
-    for name in ("query_start_loc", "start_pos", "first_block", "slot_table", "num_rejected"):
+    for name in ("query_start_loc", "table_row", "block_lo", "block_hi", "slot_table",
+                 "num_rejected"):  # fmt: skip
         inputs[name] = inputs[name].to(case.index_dtype)
     if case.mutate is not None:
         case.mutate(inputs)
     if not case.with_rejected:
         inputs["num_rejected"] = None
 
-    dest = torch.full(
-        (num_slots, block, model.num_layers, model.top_k), sentinel, dtype=torch.int32
-    ).to(model.dtype)
+    if case.rows_layout:
+        dest_shape = (cap_rows, model.num_layers, model.top_k)
+    else:
+        dest_shape = (num_slots, block, model.num_layers, model.top_k)
+    dest = torch.full(dest_shape, sentinel, dtype=torch.int32).to(model.dtype)
     step_info = torch.full((num_reqs + pad, 3), INFO_SENTINEL, dtype=torch.int32)
 
     expected_dest = dest.clone()
     expected_info = step_info.clone()
     table = inputs["slot_table"].to(torch.int64)
-    fb = inputs["first_block"].to(torch.int64)
-    start = inputs["start_pos"].to(torch.int64)
+    rows_of = inputs["table_row"].to(torch.int64)
+    qsl_now = inputs["query_start_loc"].to(torch.int64).tolist()
+    positions = inputs["positions"].to(torch.int64)
     for r, req in enumerate(case.reqs):
         status = case.status[r]
         accepted = req.rows - req.rejected if case.with_rejected else req.rows
+        begin = qsl_now[r]
+        start = int(positions[begin]) if status != 3 and qsl_now[r + 1] > begin else -1
         expected_info[r] = torch.tensor(
-            [int(start[r]), accepted if status == 0 else -1, status], dtype=torch.int32
+            [start, accepted if status == 0 else -1, status], dtype=torch.int32
         )
         if status != 0:
             continue
         for i in range(accepted):
-            pos = int(start[r]) + i
-            slot = int(table[r, pos // block - int(fb[r])])
-            expected_dest[slot, pos % block] = capture[qsl[r] + i].to(model.dtype)
+            pos = start + i
+            value = capture[begin + i].to(model.dtype)
+            if case.rows_layout:
+                expected_dest[begin + i] = value
+            else:
+                slot = int(table[int(rows_of[r]), (pos // block) % width])
+                expected_dest[slot, pos % block] = value
 
     args = dict(inputs, dest=dest, step_info=step_info, num_reqs=num_reqs, num_rows=case.num_rows)
+    if case.rows_layout:
+        args.update(hash_block=block, num_slots=num_slots)
     return {
         "args": {k: _to(v, device) for k, v in args.items()},
         "expected_dest": expected_dest,
@@ -211,7 +238,7 @@ def standard_cases(models=(TINY, QWEN3_30B, KIMI_K2), blocks=(16, 32)) -> list[C
 
 
 def special_cases() -> list[Case]:
-    """Empty steps, CUDA-graph padding, optional inputs, dtypes."""
+    """Empty steps, CUDA-graph padding, optional inputs, dtypes, layouts, ring wrap."""
     many = [Req(1 + (i % 3), 17 * i, 1 if i % 3 == 2 else 0) for i in range(64)]
     return [
         Case("empty-R0", QWEN3_30B, 16, []),
@@ -226,17 +253,32 @@ def special_cases() -> list[Case]:
         Case("u8-capture", GPT_OSS, 16, [Req(30, 2, 1)], capture_dtype=torch.uint8),
         Case("u16-capture-u8-dest", GPT_OSS, 16, [Req(30, 2, 1)], capture_dtype=torch.uint16),
         Case("u8-capture-u16-dest", KIMI_K2, 16, [Req(30, 2, 1)], capture_dtype=torch.uint8),
-        Case("table-starts-early", QWEN3_30B, 16, [Req(30, 50)], first_block_back=2),
+        Case("window-starts-early", QWEN3_30B, 16, [Req(30, 50)], window_back=2),
+        # A ring exactly as wide as the window, whose blocks wrap around it.
+        Case("ring-tight-wrap", QWEN3_30B, 16, [Req(70, 1000), Req(3, 37)], window_ahead=0,
+             ring_width=6),
         Case("64req-varied", TINY, 16, many),
         # More table columns than one scan tile covers (row and request scans loop).
         Case("tiny-B1-600cols", TINY, 1, [Req(600, 5, 2), Req(7, 1)]),
         Case("B12-not-pow2", QWEN3_30B, 12, [Req(50, 7, 1), Req(1, 11), Req(13, 36)]),
-    ]
+        Case("rows-layout-mixed", QWEN3_30B, 16, [Req(40, 7, 2), Req(1, 3), Req(4, 20, 1)],
+             rows_layout=True),
+        Case("rows-layout-kimi", KIMI_K2, 16, [Req(17, 30), Req(5, 2, 4)], rows_layout=True),
+        Case("rows-layout-padded", QWEN3_30B, 16, [Req(2, 9), Req(1, 40)], rows_layout=True,
+             pad_reqs=3, num_rows=40),
+    ]  # fmt: skip
 
 
 def set_input(name: str, index, value) -> Callable[[dict], None]:
     def mutate(inputs: dict) -> None:
         inputs[name][index] = value
+
+    return mutate
+
+
+def add_input(name: str, index, delta: int) -> Callable[[dict], None]:
+    def mutate(inputs: dict) -> None:
+        inputs[name][index] += delta
 
     return mutate
 
@@ -249,26 +291,62 @@ def error_cases() -> list[Case]:
              status=[0, 1, 0]),
         Case("rejected-over-rows", QWEN3_30B, 16, three, mutate=set_input("num_rejected", 2, 36),
              status=[0, 0, 1]),
-        Case("block-before-table", QWEN3_30B, 16, three, mutate=set_input("first_block", 0, 1),
+        Case("block-below-window", QWEN3_30B, 16, three, mutate=add_input("block_lo", 0, 1),
              status=[2, 0, 0]),
-        Case("block-after-table", KIMI_K2, 16, three, spare_cols=0,
-             mutate=set_input("first_block", 2, 3), status=[0, 0, 2]),
-        Case("slot-minus-1-mid", QWEN3_30B, 16, three, mutate=set_input("slot_table", (2, 1), -1),
+        Case("block-above-window", KIMI_K2, 16, three, window_ahead=0,
+             mutate=add_input("block_hi", 2, -1), status=[0, 0, 2]),
+        Case("window-wider-than-ring", QWEN3_30B, 16, three,
+             mutate=add_input("block_hi", 1, 100), status=[0, 2, 0]),
+        Case("table-row-past-table", QWEN3_30B, 16, three,
+             mutate=set_input("table_row", 1, 10**6), status=[0, 2, 0]),
+        Case("table-row-negative", QWEN3_30B, 16, three,
+             mutate=set_input("table_row", 2, -1), status=[0, 0, 2]),
+        Case("slot-minus-1-mid", QWEN3_30B, 16, three, mutate=_unmap_block(2, 1),
              status=[0, 0, 2]),
-        Case("slot-past-arena", QWEN3_30B, 16, three, mutate=set_input("slot_table", (0, 0), 10**6),
+        Case("slot-past-arena", QWEN3_30B, 16, three, mutate=_set_block(0, 0, 10**6),
              status=[2, 0, 0]),
-        Case("start-negative", QWEN3_30B, 16, three, mutate=set_input("start_pos", 1, -3),
+        Case("start-negative", QWEN3_30B, 16, three, mutate=set_input("positions", 20, -3),
              status=[0, 2, 0]),
         # Only blocks of accepted rows matter: an unmapped block holding rejected rows is fine.
-        Case("rejected-rows-unmapped", QWEN3_30B, 16, [Req(4, 14, 3)],
-             mutate=set_input("slot_table", (0, 1), -1)),
+        Case("rejected-rows-unmapped", QWEN3_30B, 16, [Req(4, 14, 3)], window_ahead=0,
+             mutate=_unmap_block(0, 1)),
         Case("rejected-all-bad-start", QWEN3_30B, 16, [Req(2, 0, 2), Req(3, 4)],
-             mutate=set_input("start_pos", 0, -50)),
+             mutate=set_input("positions", 0, -50)),
         Case("rows-past-bound", QWEN3_30B, 16, three, num_rows=30, status=[0, 0, 3]),
         Case("rows-one-past-bound", QWEN3_30B, 16, three, num_rows=58, status=[0, 0, 3]),
         Case("rows-at-bound", QWEN3_30B, 16, three, num_rows=59),
         Case("late-column-unmapped", TINY, 1, [Req(600, 5), Req(7, 1)],
-             mutate=set_input("slot_table", (0, 580), -1), status=[2, 0]),
+             mutate=_unmap_block(0, 580), status=[2, 0]),
         Case("mixed-failures", KIMI_K2, 32, [Req(1, 9), Req(4, 60, 5), Req(50, 3), Req(2, 1)],
-             mutate=set_input("slot_table", (2, 0), -1), status=[0, 1, 2, 0]),
+             mutate=_unmap_block(2, 0), status=[0, 1, 2, 0]),
+        # A query_start_loc that decreases anywhere or starts below 0 fails the whole step.
+        Case("qsl-decreasing", QWEN3_30B, 16, [Req(8, 0), Req(4, 20)],
+             mutate=set_input("query_start_loc", 2, 4), status=[3, 3]),
+        Case("qsl-dip-mid", QWEN3_30B, 16, [Req(5, 0), Req(3, 20), Req(5, 40)],
+             mutate=set_input("query_start_loc", 2, 3), status=[3, 3, 3]),
+        Case("qsl-negative-start", QWEN3_30B, 16, [Req(3, 0), Req(3, 20)],
+             mutate=set_input("query_start_loc", 0, -2), status=[3, 3]),
+        Case("qsl-decreasing-rows-layout", QWEN3_30B, 16, [Req(8, 0), Req(4, 20)],
+             rows_layout=True, mutate=set_input("query_start_loc", 2, 4), status=[3, 3]),
     ]  # fmt: skip
+
+
+def _block_column(inputs: dict, r: int, block: int) -> tuple[int, int]:
+    """(table row, ring column) of hash block ``block`` of request ``r``."""
+    table = inputs["slot_table"]
+    return int(inputs["table_row"][r]), block % table.shape[1]
+
+
+def _set_block(r: int, block_offset: int, value: int) -> Callable[[dict], None]:
+    """Map the ``block_offset``-th block of request r's window to slot ``value``."""
+
+    def mutate(inputs: dict) -> None:
+        block = int(inputs["block_lo"][r]) + block_offset
+        row, col = _block_column(inputs, r, block)
+        inputs["slot_table"][row, col] = value
+
+    return mutate
+
+
+def _unmap_block(r: int, block_offset: int) -> Callable[[dict], None]:
+    return _set_block(r, block_offset, -1)

@@ -21,13 +21,11 @@ from gather_pack_cases import (
     build,
     clone_args,
     error_cases,
-    set_input,
     special_cases,
     standard_cases,
 )
 
 from r3capture.kernels import (
-    STATUS_BAD_ROWS,
     Status,
     can_write_host_directly,
     gather_pack,
@@ -81,22 +79,6 @@ def test_failing_request_writes_nothing(case: Case) -> None:
         assert (built["expected_info"][r, 1] == -1) == (status != 0)
 
 
-def test_decreasing_query_start_loc_flags_the_request_and_stays_in_its_slots() -> None:
-    # Rows of a request at a decrease in query_start_loc are ambiguous; the kernel flags it
-    # (the host fails the step) and must still write only inside slots the step owns.
-    case = Case("qsl-decreasing", QWEN3_30B, 16, [Req(3, 0), Req(3, 20), Req(3, 40)],
-                mutate=set_input("query_start_loc", 2, 2))  # fmt: skip
-    built = build(case)
-    for impl in ("triton", "reference"):
-        dest, info = run(impl, built["args"])
-        assert info[1].tolist() == [20, -1, STATUS_BAD_ROWS]
-        table = built["args"]["slot_table"]
-        untouched = torch.ones(dest.shape[0], dtype=torch.bool)
-        untouched[table[[0, 2]][table[[0, 2]] >= 0].long()] = False
-        sentinel = DEST_SENTINEL[dest.dtype]
-        assert bool((dest[untouched] == sentinel).all()), impl
-
-
 def test_statuses_are_the_contract_codes() -> None:
     assert [int(s) for s in Status] == [0, 1, 2, 3]
     assert [s.name for s in Status] == ["OK", "BAD_REJECTED", "BAD_BLOCK", "BAD_ROWS"]
@@ -108,7 +90,8 @@ def test_info_rows_past_num_reqs_untouched() -> None:
 
 
 def _valid_args() -> dict:
-    return build(Case("valid", QWEN3_30B, 16, [Req(5, 3, 1), Req(1, 40)]))["args"]
+    args = build(Case("valid", QWEN3_30B, 16, [Req(5, 3, 1), Req(1, 40)]))["args"]
+    return dict(args, hash_block=None, num_slots=None)
 
 
 def _replace(name: str, fn):
@@ -116,6 +99,11 @@ def _replace(name: str, fn):
         args[name] = fn(args[name])
 
     return edit
+
+
+def _overlapping_slots(t: torch.Tensor) -> torch.Tensor:
+    """Slots one row apart: slot s+1 starts inside slot s."""
+    return t.as_strided(t.shape, (t[0, 0].numel(), *t.stride()[1:]))
 
 
 META = torch.device("meta")
@@ -132,6 +120,18 @@ BAD_CALLS = {
     "dest-B0": (_replace("dest", lambda t: t[:, :0]), "positive block size"),
     "dest-strided-rows": (_replace("dest", lambda t: t[:, ::2]), "dest must be contiguous"),
     "dest-other-device": (_replace("dest", lambda t: t.to(META)), "dest must be on the capture"),
+    "dest-2d": (_replace("dest", lambda t: t[0, 0]), "dest must be \\[S, B, 48, 8\\] slots"),
+    # Slots that share memory would let one request's rows land in another's slot.
+    "dest-expanded-slots": (
+        _replace("dest", lambda t: t[:1].expand(t.shape)),
+        "dest must be of non-overlapping slots",
+    ),
+    "dest-overlapping-slots": (
+        _replace("dest", _overlapping_slots),
+        "dest must be of non-overlapping slots",
+    ),
+    "hash-block-mismatch": (_replace("hash_block", lambda v: 8), "hash_block must be None or"),
+    "num-slots-past-dest": (_replace("num_slots", lambda v: 10**6), "num_slots must be None or"),
     "qsl-2d": (_replace("query_start_loc", lambda t: t[None]), "query_start_loc must be 1-D"),
     "qsl-int16": (_replace("query_start_loc", lambda t: t.short()), "query_start_loc must be of"),
     "qsl-empty": (_replace("query_start_loc", lambda t: t[:0]), "query_start_loc must be of len"),
@@ -139,12 +139,15 @@ BAD_CALLS = {
         _replace("query_start_loc", lambda t: t.to(META)),
         "query_start_loc must be on the capture",
     ),
-    "start-short": (_replace("start_pos", lambda t: t[:1]), "start_pos must be of length"),
-    "first-block-float": (_replace("first_block", lambda t: t.float()), "first_block must be of"),
+    "positions-short": (_replace("positions", lambda t: t[:3]), "positions must be of length"),
+    "positions-float": (_replace("positions", lambda t: t.float()), "positions must be of dtype"),
+    "table-row-short": (_replace("table_row", lambda t: t[:1]), "table_row must be of length"),
+    "block-lo-float": (_replace("block_lo", lambda t: t.float()), "block_lo must be of dtype"),
+    "block-hi-2d": (_replace("block_hi", lambda t: t[None]), "block_hi must be 1-D"),
     "rejected-short": (_replace("num_rejected", lambda t: t[:1]), "num_rejected must be of len"),
     "rejected-float": (_replace("num_rejected", lambda t: t.float()), "num_rejected must be of"),
     "table-1d": (_replace("slot_table", lambda t: t[0]), "slot_table must be 2-D"),
-    "table-short": (_replace("slot_table", lambda t: t[:1]), "slot_table must be \\[R, M\\]"),
+    "table-zero-width": (_replace("slot_table", lambda t: t[:, :0]), "ring width W >= 1"),
     "table-col-strided": (
         _replace("slot_table", lambda t: t.t().contiguous().t()),
         "slot_table must be contiguous along dim 1",
@@ -154,15 +157,54 @@ BAD_CALLS = {
         _replace("step_info", lambda t: torch.zeros(t.shape[0], 4, dtype=t.dtype)),
         "step_info must be \\[R, 3\\]",
     ),
+    "info-overlapping-rows": (
+        _replace("step_info", lambda t: t[:1].expand(t.shape)),
+        "step_info must be of non-overlapping rows",
+    ),
     "num-reqs-too-big": (
         _replace("num_reqs", lambda v: 3),
         "num_reqs must be an int in \\[0, 2\\]",
     ),
     "num-reqs-negative": (_replace("num_reqs", lambda v: -1), "num_reqs must be an int"),
+    "num-reqs-bool": (_replace("num_reqs", lambda v: True), "num_reqs must be an int"),
     "num-rows-past-capture": (_replace("num_rows", lambda v: 10**6), "num_rows must be an int"),
     "num-rows-float": (_replace("num_rows", lambda v: 3.0), "num_rows must be an int"),
     "capture-not-tensor": (_replace("capture", lambda t: t.numpy()), "capture must be a torch"),
 }
+ROWS_BAD_CALLS = {
+    "rows-no-hash-block": (_replace("hash_block", lambda v: None), "hash_block must be an int"),
+    "rows-float-num-slots": (_replace("num_slots", lambda v: 2.0), "num_slots must be an int"),
+    "rows-dest-short": (_replace("dest", lambda t: t[:2]), "dest must be \\[rows >= num_rows"),
+    "rows-dest-expanded": (
+        _replace("dest", lambda t: t[:1].expand(t.shape)),
+        "dest must be of non-overlapping rows",
+    ),
+}
+
+
+@pytest.mark.parametrize("impl", ["triton", "reference"])
+def test_dest_in_capture_memory_is_rejected(impl: str) -> None:
+    case = Case("alias", QWEN3_30B, 16, [Req(5, 3)], capture_dtype=torch.uint8)
+    args = clone_args(build(case)["args"])
+    capture = args["capture"]
+    args["dest"] = capture.view(capture.shape[0], 1, *capture.shape[1:])
+    with pytest.raises(ValueError, match="dest must be memory apart from capture's"):
+        run(impl, args, copy=False)
+
+
+def _valid_rows_args() -> dict:
+    case = Case("valid-rows", QWEN3_30B, 16, [Req(5, 3, 1), Req(1, 40)], rows_layout=True)
+    return build(case)["args"]
+
+
+@pytest.mark.parametrize("impl", ["triton", "reference"])
+@pytest.mark.parametrize("bad", list(ROWS_BAD_CALLS), ids=str)
+def test_malformed_rows_layout_calls_raise_naming_the_argument(bad: str, impl: str) -> None:
+    edit, message = ROWS_BAD_CALLS[bad]
+    args = clone_args(_valid_rows_args())
+    edit(args)
+    with pytest.raises(ValueError, match=message):
+        run(impl, args, copy=False)
 
 
 @pytest.mark.parametrize("impl", ["triton", "reference"])
