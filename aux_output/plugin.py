@@ -117,19 +117,22 @@ def check_backend(vllm_config: Any) -> str:
     return backend
 
 
-def _with_backend(additional_config: Any, backend: str) -> dict[str, Any]:
-    if additional_config is None:
-        additional_config = {}
-    if not isinstance(additional_config, dict):
+def _with_backend(additional_config: Any, backend: str) -> Any:
+    """``additional_config`` with ``backend`` selected. The default backend adds nothing, so
+    ``--aux-output-backend torch`` leaves vLLM's config (and its compile-cache hash) exactly
+    as it is without the plugin."""
+    if additional_config is not None and not isinstance(additional_config, dict):
         raise ValueError(
             f"{_FLAG} needs additional_config to be a dict, got {type(additional_config).__name__}"
         )
-    previous = additional_config.get(BACKEND_KEY, backend)
+    previous = (additional_config or {}).get(BACKEND_KEY, backend)
     if previous != backend:
         raise ValueError(
             f"{_FLAG} {backend} conflicts with additional_config[{BACKEND_KEY!r}]={previous!r}"
         )
-    return {**additional_config, BACKEND_KEY: backend}
+    if backend == DEFAULT_BACKEND:
+        return additional_config
+    return {**(additional_config or {}), BACKEND_KEY: backend}
 
 
 # ---------------------------------------------------------------- engine arguments

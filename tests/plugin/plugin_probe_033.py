@@ -25,6 +25,12 @@ def main(model_dir: str) -> None:
         return AsyncEngineArgs.from_cli_args(parser.parse_args(["--model", model_dir, *argv]))
 
     seen["default_additional_config"] = engine_args().additional_config
+    seen["torch_additional_config"] = engine_args("--aux-output-backend", "torch").additional_config
+    # The default backend must not change vLLM's config, compile-cache hash included.
+    seen["torch_hash_equal"] = (
+        engine_args("--aux-output-backend", "torch").create_engine_config().compute_hash()
+        == engine_args().create_engine_config().compute_hash()
+    )
     seen["triton_additional_config"] = engine_args(
         "--aux-output-backend", "triton"
     ).additional_config

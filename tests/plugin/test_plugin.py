@@ -55,6 +55,12 @@ def test_triton_refused_outside_supported_range(monkeypatch, version):
 
 def test_flag_value_merges_into_additional_config():
     assert plugin._with_backend(None, "triton") == {"aux_output_backend": "triton"}
+    # The default backend adds nothing: vLLM's config stays exactly as without the flag.
+    assert plugin._with_backend(None, "torch") is None
+    config = {"x": 1}
+    assert plugin._with_backend(config, "torch") is config and config == {"x": 1}
+    with pytest.raises(ValueError, match="conflicts"):
+        plugin._with_backend({"aux_output_backend": "triton"}, "torch")
     assert plugin._with_backend({"x": 1}, "triton") == {"x": 1, "aux_output_backend": "triton"}
     assert plugin._with_backend({"aux_output_backend": "triton"}, "triton")
     with pytest.raises(ValueError, match="conflicts"):
@@ -201,6 +207,8 @@ def test_on_vllm_033_flag_check_and_runner_hooks_through_vllms_own_plugin_loadin
     assert seen["choices"] == ["torch", "triton"]
     assert seen["runner_imported_early"] is False
     assert seen["default_additional_config"] == {}
+    assert seen["torch_additional_config"] == seen["default_additional_config"]
+    assert seen["torch_hash_equal"] is True
     assert seen["triton_additional_config"] == {"aux_output_backend": "triton"}
     assert "conflicts" in seen["conflict"]
     assert "add --enable-return-routed-experts" in seen["without_capture"]
