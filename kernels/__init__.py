@@ -13,10 +13,11 @@ from r3capture.kernels._common import (
     Status,
 )
 from r3capture.kernels._device import can_write_host_directly
-from r3capture.kernels.gather_pack import gather_pack
+from r3capture.kernels.gather_pack import GatherPackLaunch, gather_pack
 from r3capture.kernels.reference import gather_pack_reference
 
 __all__ = [
+    "GatherPackLaunch",
     "STATUS_BAD_BLOCK",
     "STATUS_BAD_REJECTED",
     "STATUS_BAD_ROWS",

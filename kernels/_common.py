@@ -20,8 +20,8 @@ class Status(enum.IntEnum):
 
     OK = 0
     BAD_REJECTED = 1  # num_rejected[r] outside [0, n_r]
-    BAD_BLOCK = 2  # a needed block is outside [block_lo, block_hi] or the table, or maps to a
-    # slot outside [0, S)
+    BAD_BLOCK = 2  # a needed block is outside the row's block window or the table, or maps
+    # to a slot outside [0, S)
     BAD_ROWS = 3  # query_start_loc starts < 0 or decreases anywhere, or r's rows pass num_rows
 
 
@@ -143,24 +143,34 @@ def _check_dest(
     return int(hash_block), int(num_slots), rows_layout
 
 
-def check_gather_pack_args(
+@dataclass(frozen=True)
+class StaticArgs:
+    """The validated step-independent arguments of gather_pack (see ``check_static_args``)."""
+
+    num_layers: int
+    top_k: int
+    hash_block: int
+    num_slots: int
+    rows_layout: bool
+    capture_rows: int  # T
+    dest_rows: int  # staging rows (rows layout) or slots
+    # Per-request buffers by name and length (a step's num_reqs may not pass them).
+    request_lengths: tuple[tuple[str, int], ...]
+    device: torch.device
+
+
+def check_static_args(
     *,
     capture: torch.Tensor,
-    query_start_loc: torch.Tensor,
-    positions: torch.Tensor,
     table_row: torch.Tensor,
-    block_lo: torch.Tensor,
-    block_hi: torch.Tensor,
     slot_table: torch.Tensor,
+    block_window: torch.Tensor,
     dest: torch.Tensor,
     step_info: torch.Tensor,
-    num_rejected: torch.Tensor | None,
-    num_reqs: int | None,
-    num_rows: int | None,
     hash_block: int | None,
     num_slots: int | None,
-) -> GatherPackShape:
-    """Validate one gather_pack call; raises ValueError naming the argument at fault."""
+) -> StaticArgs:
+    """Validate what stays the same from step to step; raises ValueError naming the argument."""
     _check_tensor("capture", capture, 3, CAPTURE_DTYPES)
     if not _inner_dense(capture, 0):
         raise _fail("capture", "contiguous", capture)
@@ -169,42 +179,22 @@ def check_gather_pack_args(
         raise _fail("capture", "non-empty in L and K", capture)
     hash_block, num_slots, rows_layout = _check_dest(dest, capture, hash_block, num_slots)
 
-    _check_tensor("query_start_loc", query_start_loc, 1, INDEX_DTYPES)
-    max_reqs = query_start_loc.shape[0] - 1
-    if max_reqs < 0:
-        raise _fail("query_start_loc", "of length R+1 >= 1", query_start_loc)
-    if num_reqs is None:
-        num_reqs = max_reqs
-    if not _is_count(num_reqs, max_reqs):
-        raise _fail("num_reqs", f"an int in [0, {max_reqs}] (len(query_start_loc) - 1)", num_reqs)
-    if num_rows is None:
-        num_rows = num_cap_rows
-    if not _is_count(num_rows, num_cap_rows):
-        raise _fail("num_rows", f"an int in [0, {num_cap_rows}] (capture rows)", num_rows)
-    if rows_layout and dest.shape[0] < num_rows:
-        raise _fail("dest", f"[rows >= num_rows ({num_rows}), L, K]", dest)
-
-    _check_tensor("positions", positions, 1, INDEX_DTYPES)
-    if positions.shape[0] < num_rows:
-        raise _fail("positions", f"of length >= num_rows ({num_rows})", positions)
-    for name, t in (("table_row", table_row), ("block_lo", block_lo), ("block_hi", block_hi)):
-        _check_tensor(name, t, 1, INDEX_DTYPES)
-        if t.shape[0] < num_reqs:
-            raise _fail(name, f"of length >= num_reqs ({num_reqs})", t)
-    if num_rejected is not None:
-        _check_tensor("num_rejected", num_rejected, 1, INDEX_DTYPES)
-        if num_rejected.shape[0] < num_reqs:
-            raise _fail("num_rejected", f"of length >= num_reqs ({num_reqs})", num_rejected)
-
+    _check_tensor("table_row", table_row, 1, INDEX_DTYPES)
     _check_tensor("slot_table", slot_table, 2, INDEX_DTYPES)
     if slot_table.shape[1] == 0:
         raise _fail("slot_table", "[N, W] with a ring width W >= 1", slot_table)
     if slot_table.shape[1] > 1 and slot_table.stride(1) != 1:
         raise _fail("slot_table", "contiguous along dim 1", slot_table)
+    _check_tensor("block_window", block_window, 2, INDEX_DTYPES)
+    if block_window.shape != (slot_table.shape[0], 2) or block_window.stride(1) != 1:
+        raise _fail(
+            "block_window", f"[N, 2] (N = {slot_table.shape[0]} table rows), dense rows",
+            block_window,
+        )  # fmt: skip
 
     _check_tensor("step_info", step_info, 2, (torch.int32,))
-    if step_info.shape[0] < num_reqs or step_info.shape[1] != 3:
-        raise _fail("step_info", f"[R, 3] with R >= num_reqs ({num_reqs})", step_info)
+    if step_info.shape[1] != 3:
+        raise _fail("step_info", "[R, 3]", step_info)
     if step_info.stride(1) != 1 or (step_info.shape[0] > 1 and step_info.stride(0) < 3):
         raise _fail("step_info", "of non-overlapping rows, contiguous along dim 1", step_info)
     _check_writable_place("step_info", step_info, capture)
@@ -212,23 +202,76 @@ def check_gather_pack_args(
         raise _fail("step_info", "memory apart from dest and capture", step_info)
 
     for name, t in (
-        ("query_start_loc", query_start_loc),
-        ("positions", positions),
         ("table_row", table_row),
-        ("block_lo", block_lo),
-        ("block_hi", block_hi),
         ("slot_table", slot_table),
-        ("num_rejected", num_rejected),
+        ("block_window", block_window),
     ):
-        if t is not None and t.device != capture.device:
+        if t.device != capture.device:
             raise _fail(name, f"on the capture's device ({capture.device})", t)
 
-    return GatherPackShape(
-        num_reqs=num_reqs,
-        row_limit=num_rows,
+    return StaticArgs(
         num_layers=num_layers,
         top_k=top_k,
         hash_block=hash_block,
         num_slots=num_slots,
         rows_layout=rows_layout,
+        capture_rows=num_cap_rows,
+        dest_rows=dest.shape[0],
+        request_lengths=(("table_row", table_row.shape[0]), ("step_info", step_info.shape[0])),
+        device=capture.device,
+    )
+
+
+def check_step_args(
+    static: StaticArgs,
+    *,
+    capture: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    positions: torch.Tensor,
+    num_rejected: torch.Tensor | None,
+    num_reqs: int | None,
+    num_rows: int | None,
+) -> GatherPackShape:
+    """Validate one step's arguments against the static ones; ``num_reqs`` None means every
+    entry of ``query_start_loc`` and ``num_rows`` None every capture row."""
+    device = static.device
+    _check_tensor("query_start_loc", query_start_loc, 1, INDEX_DTYPES)
+    max_reqs = query_start_loc.shape[0] - 1
+    if max_reqs < 0:
+        raise _fail("query_start_loc", "of length R+1 >= 1", query_start_loc)
+    if query_start_loc.device != device:
+        raise _fail("query_start_loc", f"on the capture's device ({device})", query_start_loc)
+    if num_reqs is None:
+        num_reqs = max_reqs
+    if not _is_count(num_reqs, max_reqs):
+        raise _fail("num_reqs", f"an int in [0, {max_reqs}] (len(query_start_loc) - 1)", num_reqs)
+    for name, length in static.request_lengths:
+        if length < num_reqs:
+            layout = "[R, 3] with R" if name == "step_info" else "of length"
+            raise _fail(name, f"{layout} >= num_reqs ({num_reqs})", f"{length} entries")
+    if num_rows is None:
+        num_rows = static.capture_rows
+    if not _is_count(num_rows, static.capture_rows):
+        raise _fail("num_rows", f"an int in [0, {static.capture_rows}] (capture rows)", num_rows)
+    if static.rows_layout and static.dest_rows < num_rows:
+        raise _fail("dest", f"[rows >= num_rows ({num_rows}), L, K]", f"{static.dest_rows} rows")
+    _check_tensor("positions", positions, 1, INDEX_DTYPES)
+    if positions.shape[0] < num_rows:
+        raise _fail("positions", f"of length >= num_rows ({num_rows})", positions)
+    if positions.device != device:
+        raise _fail("positions", f"on the capture's device ({device})", positions)
+    if num_rejected is not None:
+        _check_tensor("num_rejected", num_rejected, 1, INDEX_DTYPES)
+        if num_rejected.shape[0] < num_reqs:
+            raise _fail("num_rejected", f"of length >= num_reqs ({num_reqs})", num_rejected)
+        if num_rejected.device != device:
+            raise _fail("num_rejected", f"on the capture's device ({device})", num_rejected)
+    return GatherPackShape(
+        num_reqs=num_reqs,
+        row_limit=num_rows,
+        num_layers=static.num_layers,
+        top_k=static.top_k,
+        hash_block=static.hash_block,
+        num_slots=static.num_slots,
+        rows_layout=static.rows_layout,
     )

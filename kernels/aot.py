@@ -29,7 +29,7 @@ from triton.compiler import ASTSource
 from r3capture.kernels.gather_pack import _NUM_WARPS, _gather_pack_kernel, _tile_config
 
 _SIZE_ARGS = ("num_reqs", "row_limit", "num_slots", "num_table_rows", "ring_width", "num_steps")
-_STRIDE_ARGS = ("stride_table_r", "stride_dest", "stride_info_r")
+_STRIDE_ARGS = ("stride_table_r", "stride_window_r", "stride_dest", "stride_info_r")
 
 
 @dataclass(frozen=True)
@@ -42,7 +42,7 @@ class GatherPackSpec:
     hash_block: int
     capture: str = "i32"  # Triton element type of capture
     dest: str = "u8"
-    index: str = "i32"  # query_start_loc, table_row, block bounds, slot_table, num_rejected
+    index: str = "i32"  # query_start_loc, table_row, slot_table, block_window, num_rejected
     positions: str = "i64"  # MRV2's input_batch.positions
     has_rejected: bool = True
     rows_layout: bool = False  # dest is device staging in step-row order
@@ -54,9 +54,8 @@ class GatherPackSpec:
             "qsl_ptr": f"*{self.index}",
             "pos_ptr": f"*{self.positions}",
             "table_row_ptr": f"*{self.index}",
-            "block_lo_ptr": f"*{self.index}",
-            "block_hi_ptr": f"*{self.index}",
             "table_ptr": f"*{self.index}",
+            "window_ptr": f"*{self.index}",
             "rejected_ptr": f"*{self.index}",
             "dest_ptr": f"*{self.dest}",
             "info_ptr": "*i32",

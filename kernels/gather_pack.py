@@ -6,8 +6,9 @@ request that reattached below the scheduler's view after a rejected speculative 
 placed correctly); the row of position ``p`` lands at ``dest[slot, p % B]`` with
 ``slot = slot_table[table_row[r], (p // B) % W]``, cast to ``dest``'s dtype, so every
 complete hash block comes out whole and contiguous in its slot. The slot table is a ring
-per request that the host keeps on the device and updates only where a request crosses into
-a new block, so a decode step needs no per-step table at all. ``dest`` is the pinned host
+per request, with the window of blocks the request may write beside it; the host keeps both
+on the device and updates only the rows of requests that enter a new block, so a decode
+step needs no per-step table at all. ``dest`` is the pinned host
 arena itself (the kernel's stores cross PCIe directly) or, where a GPU cannot write host
 memory, device staging in step-row order that the host places with the same table.
 
@@ -43,8 +44,8 @@ from r3capture.kernels._common import (
     STATUS_BAD_REJECTED,
     STATUS_BAD_ROWS,
     STATUS_OK,
-    GatherPackShape,
-    check_gather_pack_args,
+    check_static_args,
+    check_step_args,
 )
 from r3capture.kernels._device import can_write_host_directly
 
@@ -91,13 +92,13 @@ def _request_fields(
     qsl_ptr,
     pos_ptr,
     table_row_ptr,
-    block_lo_ptr,
-    block_hi_ptr,
+    window_ptr,
     rejected_ptr,
     qsl_sane,
     row_limit,
     num_table_rows,
     ring_width,
+    stride_window_r,
     HAS_REJECTED: tl.constexpr,
     HASH_BLOCK: tl.constexpr,
 ):
@@ -115,9 +116,11 @@ def _request_fields(
     # below the scheduler's view after a rejected speculative suffix).
     readable = m_r & ~bad_rows & (num_sched > 0)
     start = tl.load(pos_ptr + q_begin, mask=readable, other=-1).to(tl.int64)
-    table_row = tl.load(table_row_ptr + o_r, mask=m_r, other=0).to(tl.int64)
-    block_lo = tl.load(block_lo_ptr + o_r, mask=m_r, other=0).to(tl.int64)
-    block_hi = tl.load(block_hi_ptr + o_r, mask=m_r, other=0).to(tl.int64)
+    table_row = tl.load(table_row_ptr + o_r, mask=m_r, other=-1).to(tl.int64)
+    row_ok = (table_row >= 0) & (table_row < num_table_rows)
+    p_window = window_ptr + table_row * stride_window_r
+    block_lo = tl.load(p_window, mask=m_r & row_ok, other=0).to(tl.int64)
+    block_hi = tl.load(p_window + 1, mask=m_r & row_ok, other=-1).to(tl.int64)
 
     bad_rejected = (rejected < 0) | (rejected > num_sched)
     needs_blocks = m_r & ~bad_rows & ~bad_rejected & (accepted > 0)
@@ -126,9 +129,7 @@ def _request_fields(
     first = safe_start // HASH_BLOCK
     last = (safe_start + accepted - 1) // HASH_BLOCK
     bad_range = (start < 0) | (first < block_lo) | (last > block_hi)
-    bad_table = (
-        (table_row < 0) | (table_row >= num_table_rows) | (block_hi - block_lo >= ring_width)
-    )
+    bad_table = ~row_ok | (block_hi - block_lo >= ring_width)
     bad_block = needs_blocks & (bad_range | bad_table)
     status = tl.where(
         bad_rows,
@@ -178,7 +179,7 @@ def _any_bad_slot(
 @triton.jit(
     do_not_specialize=[
         "num_reqs", "row_limit", "num_slots", "num_table_rows", "ring_width", "num_steps",
-        "stride_table_r", "stride_info_r",
+        "stride_table_r", "stride_window_r", "stride_info_r",
     ]
 )  # fmt: skip
 def _gather_pack_kernel(
@@ -187,9 +188,8 @@ def _gather_pack_kernel(
     qsl_ptr,
     pos_ptr,
     table_row_ptr,
-    block_lo_ptr,
-    block_hi_ptr,
     table_ptr,
+    window_ptr,
     rejected_ptr,
     dest_ptr,
     info_ptr,
@@ -202,6 +202,7 @@ def _gather_pack_kernel(
     num_steps,
     # strides, in elements
     stride_table_r,
+    stride_window_r,
     stride_dest,
     stride_info_r,
     # meta
@@ -223,9 +224,8 @@ def _gather_pack_kernel(
         o_r = i_p * BLOCK_REQS + tl.arange(0, BLOCK_REQS)
         m_r = o_r < num_reqs
         _, _, start, table_row, accepted, status, first, num_cols = _request_fields(
-            o_r, m_r, qsl_ptr, pos_ptr, table_row_ptr, block_lo_ptr, block_hi_ptr,
-            rejected_ptr, qsl_sane, row_limit, num_table_rows, ring_width, HAS_REJECTED,
-            HASH_BLOCK,
+            o_r, m_r, qsl_ptr, pos_ptr, table_row_ptr, window_ptr, rejected_ptr, qsl_sane,
+            row_limit, num_table_rows, ring_width, stride_window_r, HAS_REJECTED, HASH_BLOCK,
         )  # fmt: skip
         bad_slot = _any_bad_slot(
             table_row, first, num_cols, table_ptr, stride_table_r, ring_width, num_slots,
@@ -259,8 +259,8 @@ def _gather_pack_kernel(
         o_r = lo
         q_begin, q_end, start, table_row, accepted, status, first, num_cols = (
             _request_fields(
-                o_r, m_t, qsl_ptr, pos_ptr, table_row_ptr, block_lo_ptr, block_hi_ptr,
-                rejected_ptr, qsl_sane, row_limit, num_table_rows, ring_width, HAS_REJECTED,
+                o_r, m_t, qsl_ptr, pos_ptr, table_row_ptr, window_ptr, rejected_ptr,
+                qsl_sane, row_limit, num_table_rows, ring_width, stride_window_r, HAS_REJECTED,
                 HASH_BLOCK,
             )
         )  # fmt: skip
@@ -319,8 +319,132 @@ def _interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
-def _launch(args: dict, shape: GatherPackShape) -> None:
-    capture, dest, step_info = args["capture"], args["dest"], args["step_info"]
+class GatherPackLaunch:
+    """``gather_pack`` with its step-independent arguments validated once.
+
+    The per-step hot path: the capture buffer, the table-row buffer (sized for the largest
+    step), the slot table and block windows, ``dest`` and ``step_info`` are checked at
+    construction; each call checks only what changes (``query_start_loc``, ``positions``,
+    ``num_rejected``, the counts) and launches. Same arguments, layouts and guarantees as
+    ``gather_pack``.
+    """
+
+    def __init__(
+        self,
+        capture: torch.Tensor,
+        table_row: torch.Tensor,
+        slot_table: torch.Tensor,
+        block_window: torch.Tensor,
+        dest: torch.Tensor,
+        step_info: torch.Tensor,
+        *,
+        hash_block: int | None = None,
+        num_slots: int | None = None,
+        impl: str = "auto",
+    ) -> None:
+        if impl not in ("auto", "triton", "reference"):
+            raise ValueError(
+                f"gather_pack: impl must be 'auto', 'triton' or 'reference'; got {impl!r}"
+            )
+        self._args = dict(
+            capture=capture,
+            table_row=table_row,
+            slot_table=slot_table,
+            block_window=block_window,
+            dest=dest,
+            step_info=step_info,
+        )
+        self._static = check_static_args(**self._args, hash_block=hash_block, num_slots=num_slots)
+        self._use_triton = impl == "triton" or (
+            impl == "auto" and (capture.is_cuda or _interpreting())
+        )
+        if self._use_triton:
+            _check_triton_places(capture, dest, step_info)
+            self._tiles = _tile_config(self._static.num_layers * self._static.top_k)
+            self._kernel_args = dict(
+                capture_ptr=capture,
+                table_row_ptr=table_row,
+                table_ptr=slot_table,
+                window_ptr=block_window,
+                dest_ptr=dest,
+                info_ptr=step_info,
+                num_slots=self._static.num_slots,
+                num_table_rows=slot_table.shape[0],
+                ring_width=slot_table.shape[1],
+                stride_table_r=slot_table.stride(0),
+                stride_window_r=block_window.stride(0),
+                stride_dest=dest.stride(0),
+                stride_info_r=step_info.stride(0),
+                ROW_ELEMS=self._static.num_layers * self._static.top_k,
+                HASH_BLOCK=self._static.hash_block,
+                ROWS_LAYOUT=self._static.rows_layout,
+                num_warps=_NUM_WARPS,
+                **self._tiles,
+            )
+
+    def __call__(
+        self,
+        query_start_loc: torch.Tensor,
+        positions: torch.Tensor,
+        num_rejected: torch.Tensor | None = None,
+        *,
+        num_reqs: int | None = None,
+        num_rows: int | None = None,
+    ) -> None:
+        """Launch for one step: ``query_start_loc`` [>= R+1], ``positions`` [>= num_rows],
+        ``num_rejected`` [>= R] or None; ``num_reqs`` None means ``len(query_start_loc)-1``."""
+        capture = self._args["capture"]
+        shape = check_step_args(
+            self._static,
+            capture=capture,
+            query_start_loc=query_start_loc,
+            positions=positions,
+            num_rejected=num_rejected,
+            num_reqs=num_reqs,
+            num_rows=num_rows,
+        )
+        if not self._use_triton:
+            # Imported here, not at the top: the kernel code never depends on its oracle.
+            from r3capture.kernels.reference import gather_pack_reference_checked
+
+            args = dict(
+                self._args,
+                query_start_loc=query_start_loc,
+                positions=positions,
+                num_rejected=num_rejected,
+            )
+            gather_pack_reference_checked(args, shape)
+            return
+        if shape.num_reqs == 0:
+            return
+        tiles = self._tiles
+        grid = (
+            max(
+                triton.cdiv(shape.row_limit, tiles["BLOCK_ROWS"]),
+                triton.cdiv(shape.num_reqs, tiles["BLOCK_REQS"]),
+            ),
+        )
+        # Without num_rejected the pointer is never read (HAS_REJECTED is constexpr False);
+        # any valid pointer keeps the signature, and so the compiled variants, the same.
+        rejected = num_rejected if num_rejected is not None else self._args["table_row"]
+        kwargs = dict(
+            self._kernel_args,
+            qsl_ptr=query_start_loc,
+            pos_ptr=positions,
+            rejected_ptr=rejected,
+            num_reqs=shape.num_reqs,
+            row_limit=shape.row_limit,
+            num_steps=(shape.num_reqs - 1).bit_length(),
+            HAS_REJECTED=num_rejected is not None,
+        )
+        if capture.is_cuda:
+            with torch.cuda.device(capture.device):
+                _gather_pack_kernel[grid](**kwargs)
+        else:
+            _gather_pack_kernel[grid](**kwargs)
+
+
+def _check_triton_places(capture: torch.Tensor, dest: torch.Tensor, step_info: torch.Tensor):
     if not capture.is_cuda and not _interpreting():
         raise ValueError(
             "gather_pack: impl='triton' needs a CUDA capture or TRITON_INTERPRET=1 "
@@ -337,53 +461,6 @@ def _launch(args: dict, shape: GatherPackShape) -> None:
                 "cannot write host memory directly (no unified addressing); pass a device "
                 "staging tensor and copy it to the host"
             )
-    if shape.num_reqs == 0:
-        return
-
-    tiles = _tile_config(shape.num_layers * shape.top_k)
-    grid = (
-        max(
-            triton.cdiv(shape.row_limit, tiles["BLOCK_ROWS"]),
-            triton.cdiv(shape.num_reqs, tiles["BLOCK_REQS"]),
-        ),
-    )
-    num_rejected = args["num_rejected"]
-    slot_table = args["slot_table"]
-    # Without num_rejected the pointer is never read (HAS_REJECTED is constexpr False); any
-    # valid pointer keeps the signature, and so the compiled variants, the same.
-    rejected = num_rejected if num_rejected is not None else args["table_row"]
-    kwargs = dict(
-        capture_ptr=capture,
-        qsl_ptr=args["query_start_loc"],
-        pos_ptr=args["positions"],
-        table_row_ptr=args["table_row"],
-        block_lo_ptr=args["block_lo"],
-        block_hi_ptr=args["block_hi"],
-        table_ptr=slot_table,
-        rejected_ptr=rejected,
-        dest_ptr=dest,
-        info_ptr=step_info,
-        num_reqs=shape.num_reqs,
-        row_limit=shape.row_limit,
-        num_slots=shape.num_slots,
-        num_table_rows=slot_table.shape[0],
-        ring_width=slot_table.shape[1],
-        num_steps=(shape.num_reqs - 1).bit_length(),
-        stride_table_r=slot_table.stride(0),
-        stride_dest=dest.stride(0),
-        stride_info_r=step_info.stride(0),
-        ROW_ELEMS=shape.num_layers * shape.top_k,
-        HASH_BLOCK=shape.hash_block,
-        HAS_REJECTED=num_rejected is not None,
-        ROWS_LAYOUT=shape.rows_layout,
-        num_warps=_NUM_WARPS,
-        **tiles,
-    )
-    if capture.is_cuda:
-        with torch.cuda.device(capture.device):
-            _gather_pack_kernel[grid](**kwargs)
-    else:
-        _gather_pack_kernel[grid](**kwargs)
 
 
 def gather_pack(
@@ -391,9 +468,8 @@ def gather_pack(
     query_start_loc: torch.Tensor,
     positions: torch.Tensor,
     table_row: torch.Tensor,
-    block_lo: torch.Tensor,
-    block_hi: torch.Tensor,
     slot_table: torch.Tensor,
+    block_window: torch.Tensor,
     dest: torch.Tensor,
     step_info: torch.Tensor,
     num_rejected: torch.Tensor | None = None,
@@ -414,10 +490,10 @@ def gather_pack(
         positions: [>= num_rows] int32/int64, the token position of each row (MRV2's
             ``input_batch.positions``); request r's rows sit at ``positions[qsl[r]] + i``.
         table_row: [>= R] int32/int64, the slot-table row of request r.
-        block_lo, block_hi: [>= R] int32/int64, the hash blocks ``block_lo[r] ..= block_hi[r]``
-            request r may write (``block_hi - block_lo < W``).
         slot_table: [N, W] int32/int64, a ring per row: the slot of hash block b of row n is
             ``slot_table[n, b % W]``. Slots must be distinct across the step.
+        block_window: [N, 2] int32/int64, per row the hash blocks ``lo ..= hi`` its request
+            may write (``hi - lo < W``); a row with ``hi < lo`` may write none.
         dest: where rows go, in one of two layouts (on capture's device, or pinned host
             memory when ``can_write_host_directly(capture.device)``):
             ``[S, B, L, K]`` uint8/uint16 slots (each slot contiguous, distinct slots never
@@ -432,8 +508,8 @@ def gather_pack(
         num_rows: bound on the step's row count (default T); sizes the grid. Requests whose
             rows pass it get status BAD_ROWS, never a silent partial write.
         hash_block: B; required for the rows layout, else must match ``dest.shape[1]``.
-        num_slots: S, the slots the table may name; required for the rows layout, else must
-            match ``dest.shape[0]``.
+        num_slots: S, the slots the table may name; required for the rows layout, else
+            at most ``dest.shape[0]`` (default).
         impl: "auto" (Triton on CUDA or under TRITON_INTERPRET=1, else the torch reference),
             "triton" or "reference".
 
@@ -444,28 +520,15 @@ def gather_pack(
     rows are all written or none is. No allocation, no host synchronization on the Triton
     path; raises ValueError naming the argument for a malformed call.
     """
-    if impl not in ("auto", "triton", "reference"):
-        raise ValueError(f"gather_pack: impl must be 'auto', 'triton' or 'reference'; got {impl!r}")
-    args = dict(
-        capture=capture,
-        query_start_loc=query_start_loc,
-        positions=positions,
-        table_row=table_row,
-        block_lo=block_lo,
-        block_hi=block_hi,
-        slot_table=slot_table,
-        dest=dest,
-        step_info=step_info,
-        num_rejected=num_rejected,
+    launch = GatherPackLaunch(
+        capture,
+        table_row,
+        slot_table,
+        block_window,
+        dest,
+        step_info,
+        hash_block=hash_block,
+        num_slots=num_slots,
+        impl=impl,
     )
-    shape = check_gather_pack_args(
-        **args, num_reqs=num_reqs, num_rows=num_rows, hash_block=hash_block, num_slots=num_slots
-    )
-    use_triton = impl == "triton" or (impl == "auto" and (capture.is_cuda or _interpreting()))
-    if use_triton:
-        _launch(args, shape)
-        return
-    # Imported here, not at the top: the kernel code never depends on its oracle.
-    from r3capture.kernels.reference import gather_pack_reference_checked
-
-    gather_pack_reference_checked(args, shape)
+    launch(query_start_loc, positions, num_rejected, num_reqs=num_reqs, num_rows=num_rows)

@@ -15,7 +15,8 @@ from r3capture.kernels._common import (
     STATUS_BAD_ROWS,
     STATUS_OK,
     GatherPackShape,
-    check_gather_pack_args,
+    check_static_args,
+    check_step_args,
 )
 
 _CPU = torch.device("cpu")
@@ -26,9 +27,8 @@ def gather_pack_reference(
     query_start_loc: torch.Tensor,
     positions: torch.Tensor,
     table_row: torch.Tensor,
-    block_lo: torch.Tensor,
-    block_hi: torch.Tensor,
     slot_table: torch.Tensor,
+    block_window: torch.Tensor,
     dest: torch.Tensor,
     step_info: torch.Tensor,
     num_rejected: torch.Tensor | None = None,
@@ -41,24 +41,39 @@ def gather_pack_reference(
     """Write each request's accepted rows of ``capture`` block-aligned into ``dest``.
 
     capture [T, L, K] int32/uint8/uint16; query_start_loc [>=R+1], positions [>=num_rows],
-    table_row, block_lo, block_hi, num_rejected [>=R] int32/int64; slot_table [N, W]
-    int32/int64 (ring per row); dest [S, B, L, K] slots or [>=num_rows, L, K] staging,
+    table_row, num_rejected [>=R] int32/int64; slot_table [N, W] (ring per row) and
+    block_window [N, 2] int32/int64; dest [S, B, L, K] slots or [>=num_rows, L, K] staging,
     uint8/uint16; step_info [>=R, 3] int32 (out); R = num_reqs.
     """
+    static = check_static_args(
+        capture=capture,
+        table_row=table_row,
+        slot_table=slot_table,
+        block_window=block_window,
+        dest=dest,
+        step_info=step_info,
+        hash_block=hash_block,
+        num_slots=num_slots,
+    )
+    shape = check_step_args(
+        static,
+        capture=capture,
+        query_start_loc=query_start_loc,
+        positions=positions,
+        num_rejected=num_rejected,
+        num_reqs=num_reqs,
+        num_rows=num_rows,
+    )
     args = dict(
         capture=capture,
         query_start_loc=query_start_loc,
         positions=positions,
         table_row=table_row,
-        block_lo=block_lo,
-        block_hi=block_hi,
         slot_table=slot_table,
+        block_window=block_window,
         dest=dest,
         step_info=step_info,
         num_rejected=num_rejected,
-    )
-    shape = check_gather_pack_args(
-        **args, num_reqs=num_reqs, num_rows=num_rows, hash_block=hash_block, num_slots=num_slots
     )
     gather_pack_reference_checked(args, shape)
 
@@ -92,11 +107,15 @@ def gather_pack_reference_checked(args: dict, shape: GatherPackShape) -> None:
     bad_rejected = ~bad_rows & ((rejected < 0) | (rejected > num_sched))
     live = ~bad_rows & ~bad_rejected
 
-    row, lo, hi = host("table_row"), host("block_lo"), host("block_hi")
+    row = host("table_row")
+    row_ok = (row >= 0) & (row < num_table_rows)
+    # Rows outside the table read the empty window [0, -1].
+    window = torch.cat([args["block_window"].to(_CPU, torch.int64), torch.tensor([[0, -1]])])
+    lo, hi = window[torch.where(row_ok, row, num_table_rows)].unbind(1)
     first = torch.div(start.clamp(min=0), block, rounding_mode="floor")
     last = torch.div(start.clamp(min=0) + accepted - 1, block, rounding_mode="floor")
     bad_range = (start < 0) | (first < lo) | (last > hi)
-    bad_table = (row < 0) | (row >= num_table_rows) | (hi - lo >= ring)
+    bad_table = ~row_ok | (hi - lo >= ring)
     bad_block = live & (accepted > 0) & (bad_range | bad_table)
 
     # One entry per accepted row of every request whose rows, counts and range are sane.

@@ -55,7 +55,7 @@ class Case:
     index_dtype: torch.dtype = torch.int32
     capture_dtype: torch.dtype = torch.int32
     full_range_values: bool = False  # int32 values far outside [0, E): exercises the wrap
-    window_back: int = 0  # block_lo this many blocks before the first needed block
+    window_back: int = 0  # the window starts this many blocks before the first needed block
     window_ahead: int = 1  # mapped blocks past the last needed one
     ring_width: int | None = None  # W; None = the widest window + 1
     extra_table_rows: int = 2  # table rows no request uses
@@ -75,8 +75,9 @@ def build(case: Case, seed: int = 0, device: str | torch.device = "cpu") -> dict
     """The case's inputs (``args``: gather_pack keyword arguments) and expected outputs.
 
     Built the way the worker does it: each request owns one row of a ring slot table and a
-    window of hash blocks ``block_lo ..= block_hi`` covering its scheduled rows, every block
-    of the window mapped to a distinct slot; ``positions`` holds each row's token position.
+    window of hash blocks ``lo ..= hi`` (its row of ``block_window``) covering its scheduled
+    rows, every block of the window mapped to a distinct slot; ``positions`` holds each row's
+    token position.
     """
     rng = random.Random(seed)
     gen = torch.Generator().manual_seed(seed)
@@ -115,8 +116,11 @@ def build(case: Case, seed: int = 0, device: str | torch.device = "cpu") -> dict
     order = list(range(num_slots))
     rng.shuffle(order)
     table = torch.full((num_table_rows, width), -1, dtype=torch.int64)
+    # Rows no request uses keep the empty window [0, -1].
+    block_window = torch.tensor([[0, -1]] * num_table_rows, dtype=torch.int64)
     taken = 0
     for r, (lo, hi) in enumerate(windows):
+        block_window[table_rows[r]] = torch.tensor([lo, hi])
         for b in range(max(lo, hi - width + 1), hi + 1):
             table[table_rows[r], b % width] = order[taken]
             taken += 1
@@ -127,14 +131,13 @@ def build(case: Case, seed: int = 0, device: str | torch.device = "cpu") -> dict
         "query_start_loc": torch.tensor(qsl + [qsl[-1]] * pad, dtype=torch.int64),
         "positions": positions,
         "table_row": torch.tensor(table_rows[:num_reqs] + [0] * pad, dtype=torch.int64),
-        "block_lo": torch.tensor([lo for lo, _ in windows] + [0] * pad, dtype=torch.int64),
-        "block_hi": torch.tensor([hi for _, hi in windows] + [0] * pad, dtype=torch.int64),
         "slot_table": table,
+        "block_window": block_window,
         "num_rejected": torch.tensor(
             [q.rejected for q in case.reqs] + [0] * pad, dtype=torch.int64
         ),
     }
-    for name in ("query_start_loc", "table_row", "block_lo", "block_hi", "slot_table",
+    for name in ("query_start_loc", "table_row", "slot_table", "block_window",
                  "num_rejected"):  # fmt: skip
         inputs[name] = inputs[name].to(case.index_dtype)
     if case.mutate is not None:
@@ -276,9 +279,11 @@ def set_input(name: str, index, value) -> Callable[[dict], None]:
     return mutate
 
 
-def add_input(name: str, index, delta: int) -> Callable[[dict], None]:
+def move_window(r: int, end: int, delta: int) -> Callable[[dict], None]:
+    """Move the low (``end=0``) or high (``end=1``) end of request r's block window."""
+
     def mutate(inputs: dict) -> None:
-        inputs[name][index] += delta
+        inputs["block_window"][int(inputs["table_row"][r]), end] += delta
 
     return mutate
 
@@ -291,12 +296,12 @@ def error_cases() -> list[Case]:
              status=[0, 1, 0]),
         Case("rejected-over-rows", QWEN3_30B, 16, three, mutate=set_input("num_rejected", 2, 36),
              status=[0, 0, 1]),
-        Case("block-below-window", QWEN3_30B, 16, three, mutate=add_input("block_lo", 0, 1),
+        Case("block-below-window", QWEN3_30B, 16, three, mutate=move_window(0, 0, 1),
              status=[2, 0, 0]),
         Case("block-above-window", KIMI_K2, 16, three, window_ahead=0,
-             mutate=add_input("block_hi", 2, -1), status=[0, 0, 2]),
+             mutate=move_window(2, 1, -1), status=[0, 0, 2]),
         Case("window-wider-than-ring", QWEN3_30B, 16, three,
-             mutate=add_input("block_hi", 1, 100), status=[0, 2, 0]),
+             mutate=move_window(1, 1, 100), status=[0, 2, 0]),
         Case("table-row-past-table", QWEN3_30B, 16, three,
              mutate=set_input("table_row", 1, 10**6), status=[0, 2, 0]),
         Case("table-row-negative", QWEN3_30B, 16, three,
@@ -341,7 +346,7 @@ def _set_block(r: int, block_offset: int, value: int) -> Callable[[dict], None]:
     """Map the ``block_offset``-th block of request r's window to slot ``value``."""
 
     def mutate(inputs: dict) -> None:
-        block = int(inputs["block_lo"][r]) + block_offset
+        block = int(inputs["block_window"][int(inputs["table_row"][r]), 0]) + block_offset
         row, col = _block_column(inputs, r, block)
         inputs["slot_table"][row, col] = value
 

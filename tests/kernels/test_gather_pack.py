@@ -26,6 +26,7 @@ from gather_pack_cases import (
 )
 
 from r3capture.kernels import (
+    GatherPackLaunch,
     Status,
     can_write_host_directly,
     gather_pack,
@@ -142,8 +143,9 @@ BAD_CALLS = {
     "positions-short": (_replace("positions", lambda t: t[:3]), "positions must be of length"),
     "positions-float": (_replace("positions", lambda t: t.float()), "positions must be of dtype"),
     "table-row-short": (_replace("table_row", lambda t: t[:1]), "table_row must be of length"),
-    "block-lo-float": (_replace("block_lo", lambda t: t.float()), "block_lo must be of dtype"),
-    "block-hi-2d": (_replace("block_hi", lambda t: t[None]), "block_hi must be 1-D"),
+    "window-float": (_replace("block_window", lambda t: t.float()), "block_window must be of"),
+    "window-1d": (_replace("block_window", lambda t: t[:, 0]), "block_window must be 2-D"),
+    "window-rows": (_replace("block_window", lambda t: t[:1]), "block_window must be \\[N, 2\\]"),
     "rejected-short": (_replace("num_rejected", lambda t: t[:1]), "num_rejected must be of len"),
     "rejected-float": (_replace("num_rejected", lambda t: t.float()), "num_rejected must be of"),
     "table-1d": (_replace("slot_table", lambda t: t[0]), "slot_table must be 2-D"),
@@ -222,16 +224,45 @@ def test_unknown_impl_is_rejected() -> None:
         gather_pack(**_valid_args(), impl="cuda")
 
 
+class _RecordingKernel:
+    def __init__(self, calls: list) -> None:
+        self.calls = calls
+
+    def __getitem__(self, grid):
+        return lambda **kwargs: self.calls.append(("triton", grid))
+
+
 def test_auto_picks_triton_under_interpreter_and_reference_without(monkeypatch) -> None:
     calls = []
-    monkeypatch.setattr(GP_MODULE, "_launch", lambda *a: calls.append("triton"))
+    monkeypatch.setattr(GP_MODULE, "_gather_pack_kernel", _RecordingKernel(calls))
     gather_pack(**clone_args(_valid_args()))
-    assert calls == ["triton"]
+    assert [c[0] for c in calls] == ["triton"]
     monkeypatch.setattr(GP_MODULE, "_interpreting", lambda: False)
     args = clone_args(_valid_args())
     gather_pack(**args)
-    assert calls == ["triton"]  # CPU tensors, no interpreter: the reference ran instead
+    assert len(calls) == 1  # CPU tensors, no interpreter: the reference ran instead
     assert args["step_info"][:, 2].tolist() == [0, 0]
+
+
+def test_prepared_launch_checks_only_per_step_arguments_and_matches_one_shot() -> None:
+    built = build(Case("plan", QWEN3_30B, 16, [Req(5, 3, 1), Req(1, 40), Req(20, 60, 2)]))
+    args = clone_args(built["args"])
+    launch = GatherPackLaunch(
+        args["capture"], args["table_row"], args["slot_table"], args["block_window"],
+        args["dest"], args["step_info"], impl="triton",
+    )  # fmt: skip
+    qsl, positions = args["query_start_loc"], args["positions"]
+    launch(qsl, positions, args["num_rejected"], num_reqs=3, num_rows=args["num_rows"])
+    assert_same_bytes("prepared dest", args["dest"], built["expected_dest"])
+    assert_same_bytes("prepared step_info", args["step_info"], built["expected_info"])
+    with pytest.raises(ValueError, match="num_reqs must be an int in \\[0, 3\\]"):
+        launch(qsl, positions, num_reqs=4)
+    with pytest.raises(ValueError, match="positions must be of length >= num_rows"):
+        launch(qsl, positions[:2], num_reqs=3, num_rows=26)
+    with pytest.raises(ValueError, match="num_rejected must be of dtype"):
+        launch(qsl, positions, args["num_rejected"].float(), num_reqs=3)
+    with pytest.raises(ValueError, match="query_start_loc must be 1-D"):
+        launch(qsl[None], positions, num_reqs=3)
 
 
 def test_triton_on_cpu_without_interpreter_is_a_clear_error(monkeypatch) -> None:
