@@ -17,6 +17,8 @@ from gather_pack_cases import (
     build,
     clone_args,
     error_cases,
+    graph_script,
+    load_step,
     special_cases,
     standard_cases,
 )
@@ -94,26 +96,27 @@ def test_no_sync_and_no_allocation(dest_place: str) -> None:
     assert torch.cuda.max_memory_allocated() == before == torch.cuda.memory_allocated()
 
 
+@pytest.mark.parametrize("rows_layout", [False, True], ids=["slots", "rows"])
 @pytest.mark.parametrize("dest_place", ["device", "pinned"])
-def test_cuda_graph_capture_and_replay(dest_place: str) -> None:
-    case = _mixed_step()
-    args = _on_gpu(build(case, seed=1)["args"], dest_place)
+def test_cuda_graph_capture_and_replay(dest_place: str, rows_layout: bool) -> None:
+    # The same script as test_graph_script.py runs on the CPU, without the graph.
+    (case, seed), *replays = graph_script(rows_layout)
+    args = _on_gpu(build(case, seed=seed)["args"], dest_place)
     gather_pack(**clone_args(args))  # compile before capture
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         gather_pack(**args)
-    for seed in (2, 3):
-        # New step contents written into the captured (static) tensors, then a replay.
+    for case, seed in replays:
+        # Every input of a new step (ring, block windows, positions, query_start_loc, ...)
+        # and freshly poisoned outputs written into the captured tensors, then a replay.
         fresh = build(case, seed=seed)
-        for name in ("capture", "num_rejected", "slot_table"):
-            args[name].copy_(fresh["args"][name])
-        args["dest"].copy_(fresh["args"]["dest"])
-        args["step_info"].copy_(fresh["args"]["step_info"])
+        load_step(args, fresh["args"])
         graph.replay()
         torch.cuda.synchronize()
-        assert_same_bytes(f"replay {seed} dest", args["dest"], fresh["expected_dest"])
-        assert_same_bytes(f"replay {seed} step_info", args["step_info"], fresh["expected_info"])
+        assert_same_bytes(f"replay {case.id} dest", args["dest"], fresh["expected_dest"])
+        assert_same_bytes(f"replay {case.id} step_info", args["step_info"],
+                          fresh["expected_info"])  # fmt: skip
 
 
 def test_pageable_host_dest_is_rejected() -> None:

@@ -1,0 +1,44 @@
+"""The CUDA-graph replay script of test_gather_pack_gpu.py, run on the CPU without the graph:
+one set of static tensors, each step's inputs and poisoned outputs loaded into them, the same
+launch repeated with the host-side values fixed at capture. A graph replays exactly that."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from gather_pack_cases import assert_same_bytes, build, clone_args, graph_script, load_step
+
+from r3capture.kernels import gather_pack
+
+KERNEL_INPUTS = ("capture", "query_start_loc", "positions", "table_row", "block_lo",
+                 "block_hi", "slot_table", "num_rejected")  # fmt: skip
+
+
+@pytest.mark.parametrize("rows_layout", [False, True], ids=["slots", "rows"])
+def test_steps_replayed_through_static_tensors(rows_layout: bool) -> None:
+    (case, seed), *replays = graph_script(rows_layout)
+    static = clone_args(build(case, seed=seed)["args"])
+    gather_pack(**static, impl="triton")  # the launch a graph would capture
+    for case, seed in replays:
+        fresh = build(case, seed=seed)
+        load_step(static, fresh["args"])
+        gather_pack(**static, impl="triton")
+        assert_same_bytes(f"{case.id} dest", static["dest"], fresh["expected_dest"])
+        assert_same_bytes(f"{case.id} step_info", static["step_info"], fresh["expected_info"])
+
+
+def test_every_replay_changes_every_input_the_kernel_reads() -> None:
+    # Otherwise a replay that read a stale captured value could still pass.
+    built = [build(case, seed=seed)["args"] for case, seed in graph_script()]
+    for before, after in zip(built, built[1:]):
+        for name in KERNEL_INPUTS:
+            assert not torch.equal(before[name], after[name]), name
+
+
+def test_load_step_refuses_a_step_the_graph_cannot_replay() -> None:
+    (first, _), (second, _), *_ = graph_script()
+    static, other = build(first)["args"], build(second)["args"]
+    with pytest.raises(AssertionError, match="num_reqs"):
+        load_step(static, dict(other, num_reqs=2))
+    with pytest.raises(AssertionError, match="dest"):
+        load_step(static, dict(other, dest=other["dest"][:-1]))
