@@ -8,8 +8,8 @@ prefill, speculative decoding with k=3) it times, with ``triton.testing.do_bench
                      stream sync: the rows are on the host, block-aligned, nothing else to do
   r3capture-staging  gather_pack into device staging ``[rows, L, K]`` in step-row order + one
                      async copy of the step's num_rows rows (and step_info) to pinned host
-                     memory, then stream sync (the host then places the rows with the slot
-                     table, as it would read an arena: not timed)
+                     memory, then stream sync (placing the rows into the arena with the slot
+                     table is host work, not timed here)
   vllm-cast          buffer[:n].to(dtype), the GPU half of vLLM's path (GPU time)
   vllm               buffer[:n].to(dtype) + .to("cpu", non_blocking=True) of it and of
                      num_rejected + stream sync + per-request host slicing of accepted rows
