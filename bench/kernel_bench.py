@@ -16,20 +16,25 @@ prefill, speculative decoding with k=3) it times, with ``triton.testing.do_bench
 and reports µs, effective GB/s, % of the measured HBM peak (a large device copy) and of the
 measured PCIe peak (a large pinned D2H copy), the bytes that cross PCIe per step, and the
 speedup over the vLLM provider timed the same way (``vllm-cast`` for GPU time, ``vllm`` for
-wall time until the host may read the rows).
+wall time until the host may read the rows). The r3capture providers launch through a
+``GatherPackLaunch`` built once per step and output (the worker's hot path: only the per-step
+arguments are checked per call).
 
 Inputs are built as the worker builds them: every request owns one row of a persistent ring
-slot table ``[max_num_seqs + 1, W]`` (the slot of hash block b sits at column ``b % W``), a
-block window ``block_lo ..= block_hi`` covers its scheduled rows, every block of a window maps
-to a distinct slot of a shuffled arena, and ``positions`` holds each row's token position on
-the device.
+slot table ``[max_num_seqs + 1, W]`` (the slot of hash block b sits at column ``b % W``), its
+row of ``block_window [max_num_seqs + 1, 2]`` holds the window ``lo ..= hi`` of blocks covering
+its scheduled rows (rows without a request hold the empty window ``[0, -1]``), every block of a
+window maps to a distinct slot of a shuffled arena, and ``positions`` holds each row's token
+position on the device.
 
 Every configuration is gated on correctness before it is timed: the accepted rows of vLLM's
 path, placed with the slot table, give the expected arena, staging and step_info; the torch
-reference and every r3capture provider's output must equal them byte for byte, with every
-other byte still poisoned. A configuration that fails the gate gets no timings. On a machine
-without CUDA only the gate runs (Triton interpreter, scaled-down steps) and the script says
-that timings need a GPU, then exits 0.
+reference and every r3capture provider's output (through ``gather_pack``) must equal them
+byte for byte, with every other byte still poisoned. A configuration that fails the gate gets
+no timings; after timing, what the timed launches left (every launch writes the same bytes)
+is checked the same way, or the configuration's timings are dropped. On a machine without
+CUDA only the gate runs (Triton interpreter, scaled-down steps) and the script says that
+timings need a GPU, then exits 0.
 
     python -m bench.kernel_bench [--quick] [--out DIR]    (or: python -m bench.run kernel)
 
@@ -62,6 +67,7 @@ import triton  # noqa: E402
 
 from bench.common import RESULTS_DIR, Result, machine_info, write_results  # noqa: E402
 from r3capture.kernels import (  # noqa: E402
+    GatherPackLaunch,
     can_write_host_directly,
     gather_pack,
     gather_pack_reference,
@@ -140,7 +146,7 @@ class Step:
     kind: str
     block: int  # B
     reqs: list[Request]
-    # capture, query_start_loc, positions, table_row, block_lo, block_hi, slot_table,
+    # capture, query_start_loc, positions, table_row, slot_table, block_window,
     # num_rejected (None without speculation)
     inputs: dict[str, torch.Tensor | None]
     num_slots: int  # S, slots of the arena
@@ -174,6 +180,19 @@ class Step:
         """gather_pack arguments writing device staging ``[>= num_rows, L, K]``."""
         args = self.slots_args(staging, step_info, **inputs)
         return dict(args, hash_block=self.block, num_slots=self.num_slots)
+
+    def launcher(self, dest: torch.Tensor, step_info: torch.Tensor) -> Callable[[], None]:
+        """The worker's hot path for this step into ``dest`` (slots or staging): a
+        ``GatherPackLaunch`` over the static arguments, validated here once, and a call that
+        passes only the per-step ones."""
+        x = self.inputs
+        launch = GatherPackLaunch(
+            x["capture"], x["table_row"], x["slot_table"], x["block_window"], dest, step_info,
+            hash_block=self.block, num_slots=self.num_slots, impl="triton",
+        )  # fmt: skip
+        qsl, positions, rejected = x["query_start_loc"], x["positions"], x["num_rejected"]
+        num_reqs, num_rows = len(self.reqs), self.num_rows
+        return lambda: launch(qsl, positions, rejected, num_reqs=num_reqs, num_rows=num_rows)
 
     def new_output(self, what: str, place: str) -> torch.Tensor:
         """A poisoned ``slots``/``rows``/``info`` output on ``place``: device | pinned | cpu."""
@@ -225,6 +244,9 @@ def build_step(
     width = ring_width(sizes.max_tokens, block)
     num_table_rows = sizes.max_seqs + 1
     table_row = np.array(rng.sample(range(num_table_rows), num_reqs), dtype=np.int64)
+    # Rows without a request hold the empty window [0, -1].
+    block_window = np.tile(np.array([0, -1], dtype=np.int64), (num_table_rows, 1))
+    block_window[table_row] = np.stack([block_lo, block_hi], axis=1)
     num_blocks = block_hi - block_lo + 1
     assert (num_blocks <= width).all(), "a window wider than the ring"
     # An arena twice the step's blocks, shuffled: slots are distinct, never in request order.
@@ -244,9 +266,8 @@ def build_step(
         "query_start_loc": int32(qsl),
         "positions": torch.from_numpy(positions),
         "table_row": int32(table_row),
-        "block_lo": int32(block_lo),
-        "block_hi": int32(block_hi),
         "slot_table": torch.from_numpy(ring),
+        "block_window": int32(block_window),
         "num_rejected": int32(np.array([r.rejected for r in reqs])) if speculative else None,
     }
     inputs = {k: v.to(device) if v is not None else None for k, v in inputs.items()}
@@ -272,10 +293,9 @@ def vllm_host_rows(step: Step) -> list[np.ndarray]:
     return [rows[qsl[i] : qsl[i + 1] - int(rej[i])] for i in range(len(step.reqs))]
 
 
-def run_staging(step: Step, staging, info, host_rows, host_info, **inputs) -> None:
-    """The staging provider: kernel into device staging + one async copy of num_rows rows
-    (and step_info) into pinned host memory. The caller synchronizes."""
-    gather_pack(**step.rows_args(staging, info, **inputs), impl="triton")
+def copy_staging(step: Step, staging, info, host_rows, host_info) -> None:
+    """The staging provider's copies after its kernel: one async copy of num_rows rows (and
+    step_info) into pinned host memory. The caller synchronizes."""
     n = step.num_rows
     host_rows[:n].copy_(staging[:n], non_blocking=True)
     host_info.copy_(info, non_blocking=True)
@@ -314,14 +334,23 @@ def _differs(what: str, actual: torch.Tensor, expected: np.ndarray) -> str | Non
     return f"{what}: {diff.size} of {a.size} bytes differ, first at byte {int(diff[0])}"
 
 
+def compare(expected: dict[str, np.ndarray], left: dict[str, dict[str, torch.Tensor]]) -> list[str]:
+    """What differs between ``expected`` and each implementation's outputs (``left[name]``:
+    ``slots``/``rows``/``info`` tensors it wrote)."""
+    problems = []
+    for name, outputs in left.items():
+        for what, tensor in outputs.items():
+            problems.append(_differs(f"{name} {what}", tensor, expected[what]))
+    return [p for p in problems if p is not None]
+
+
 def gate(step: Step) -> str | None:
     """None when every implementation leaves exactly the expected bytes, else what differed."""
     expected = expected_outputs(step, vllm_host_rows(step))
     problems = []
 
     def check(name: str, outputs: dict[str, torch.Tensor]) -> None:
-        for what, tensor in outputs.items():
-            problems.append(_differs(f"{name} {what}", tensor, expected[what]))
+        problems.extend(compare(expected, {name: outputs}))
 
     host_inputs = {k: v.cpu() for k, v in step.inputs.items() if v is not None}
     slots, info = step.new_output("slots", "cpu"), step.new_output("info", "cpu")
@@ -343,10 +372,10 @@ def gate(step: Step) -> str | None:
     host_place = "pinned" if step.device.type == "cuda" else "cpu"
     staging, info = step.new_output("rows", "device"), step.new_output("info", "device")
     host_rows, host_info = step.new_output("rows", host_place), step.new_output("info", host_place)
-    run_staging(step, staging, info, host_rows, host_info)
+    gather_pack(**step.rows_args(staging, info), impl="triton")
+    copy_staging(step, staging, info, host_rows, host_info)
     _synchronize(step.device)
     check("r3capture-staging", {"rows": host_rows, "info": host_info})
-    problems = [p for p in problems if p is not None]
     return "; ".join(problems) if problems else None
 
 
@@ -375,8 +404,9 @@ def measure_peaks() -> dict[str, float]:
 _BASELINE = {"gpu": "vllm-cast", "wall+sync": "vllm"}
 
 
-def bench_step(step: Step, peaks: dict[str, float]) -> list[Result]:
-    """Times every provider on a step that passed the gate (needs CUDA)."""
+def bench_step(step: Step, peaks: dict[str, float]) -> tuple[list[Result], str | None]:
+    """Times every provider on a step that passed the gate (needs CUDA): the rows, or none
+    and what differed when the outputs the timed launches left are not the expected ones."""
     model = step.model
     row_in = model.row_elems * 4  # int32 capture
     row_out = model.row_elems * model.dtype.itemsize
@@ -384,26 +414,35 @@ def bench_step(step: Step, peaks: dict[str, float]) -> list[Result]:
     info_bytes = len(step.reqs) * 3 * 4
     stream = torch.cuda.current_stream()
 
+    # Each r3capture provider: a launcher built once, outside the timing, as the worker does.
     slots, info = step.new_output("slots", "device"), step.new_output("info", "device")
-    staging = step.new_output("rows", "device")
+    to_slots = step.launcher(slots, info)
+    staging, staging_info = step.new_output("rows", "device"), step.new_output("info", "device")
+    to_staging = step.launcher(staging, staging_info)
     host_rows, host_info = step.new_output("rows", "pinned"), step.new_output("info", "pinned")
+    left = {
+        "r3capture-kernel": {"slots": slots, "info": info},
+        "r3capture-staging": {"rows": host_rows, "info": host_info},
+    }
     direct = can_write_host_directly(step.device)
     if direct:
         arena, arena_info = step.new_output("slots", "pinned"), step.new_output("info", "pinned")
+        to_arena = step.launcher(arena, arena_info)
+        left["r3capture-pinned"] = {"slots": arena, "info": arena_info}
 
     def r3_pinned():
-        gather_pack(**step.slots_args(arena, arena_info), impl="triton")
+        to_arena()
         stream.synchronize()
 
     def r3_staging():
-        run_staging(step, staging, info, host_rows, host_info)
+        to_staging()
+        copy_staging(step, staging, staging_info, host_rows, host_info)
         stream.synchronize()
 
     capture = step.inputs["capture"]
     providers = [
         # name, fn, timing, HBM bytes, PCIe bytes
-        ("r3capture-kernel", lambda: gather_pack(**step.slots_args(slots, info), impl="triton"),
-         "gpu", acc * (row_in + row_out), 0),
+        ("r3capture-kernel", to_slots, "gpu", acc * (row_in + row_out), 0),
         ("r3capture-pinned", r3_pinned, "wall+sync", acc * row_in, acc * row_out + info_bytes),
         ("r3capture-staging", r3_staging, "wall+sync", acc * (row_in + row_out) + sched * row_out,
          sched * row_out + info_bytes),
@@ -448,12 +487,17 @@ def bench_step(step: Step, peaks: dict[str, float]) -> list[Result]:
                 },
             )
         )
+    # Every launch writes the same bytes: what the timed launches left must be the gate's.
+    torch.cuda.synchronize()
+    problems = compare(expected_outputs(step, vllm_host_rows(step)), left)
+    if problems:
+        return [], "; ".join(problems)
     p50_of = {r.provider: r.p50 for r in rows}
     for r in rows:
         baseline = _BASELINE[r.params["timing"]]
         r.params["vs_vllm"] = baseline
         r.params["speedup_vs_vllm"] = p50_of[baseline] / r.p50
-    return rows
+    return rows, None
 
 
 def _figure(rows: list[Result]):
@@ -489,7 +533,8 @@ def run(
     models: tuple[ModelShape, ...] | None = None,
     sizes: Sizes | None = None,
 ) -> tuple[list[Result], list[str]]:
-    """Timing rows (empty without CUDA) and the configurations that failed the gate."""
+    """Timing rows (empty without CUDA) and the configurations that failed the gate (or the
+    check of what the timed launches left)."""
     if models is None:
         models = MODELS[:1] + MODELS[2:3] if quick else MODELS
     if sizes is None:
@@ -505,7 +550,7 @@ def run(
             print(f"gate {label} rows {step.accepted_rows:5d}/{step.num_rows:5d}: "
                   f"{'byte-equal' if problem is None else 'MISMATCH: ' + problem}")  # fmt: skip
             if problem is None:
-                steps.append(step)
+                steps.append((label, step))
             else:
                 failures.append(label)
     if failures:
@@ -521,8 +566,11 @@ def run(
         f"measured peaks: HBM {peaks['hbm_gbps']:.0f} GB/s, PCIe D2H {peaks['pcie_gbps']:.1f} GB/s"
     )
     rows = []
-    for step in steps:
-        step_rows = bench_step(step, peaks)
+    for label, step in steps:
+        step_rows, problem = bench_step(step, peaks)
+        if problem is not None:
+            print(f"timed {label}: MISMATCH after timing, timings dropped: {problem}")
+            failures.append(label)
         rows.extend(step_rows)
         for r in step_rows:
             q = r.params

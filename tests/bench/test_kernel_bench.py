@@ -32,8 +32,9 @@ def _case_id(case) -> str:
 
 
 def check_worker_inputs(step: kb.Step, sizes: kb.Sizes) -> None:
-    """The inputs the worker would pass: one table row per request, a block window covering
-    its scheduled rows, distinct slots, each row's position on the device."""
+    """The inputs the worker would pass: one table row per request, its row of block_window
+    covering its scheduled rows (the empty window elsewhere), distinct slots, each row's
+    position on the device."""
     host = {k: v.cpu() for k, v in step.inputs.items() if v is not None}
     reqs, block = step.reqs, step.block
     rows = np.array([r.rows for r in reqs])
@@ -54,16 +55,20 @@ def check_worker_inputs(step: kb.Step, sizes: kb.Sizes) -> None:
         expected[qsl[r] : qsl[r + 1]] = np.arange(req.start, req.start + req.rows)
     assert positions.tolist() == expected.tolist()
 
-    lo, hi = host["block_lo"].numpy(), host["block_hi"].numpy()
-    assert lo.tolist() == (starts // block).tolist()
-    assert hi.tolist() == ((starts + rows - 1) // block).tolist()
     ring = host["slot_table"].numpy()
     width = kb.ring_width(sizes.max_tokens, block)
     assert ring.shape == (sizes.max_seqs + 1, width)
-    assert (hi - lo < width).all()
     table_row = host["table_row"].numpy()
     assert len(set(table_row.tolist())) == len(reqs)
     assert ((0 <= table_row) & (table_row < ring.shape[0])).all()
+    window = host["block_window"].numpy()
+    assert window.shape == (sizes.max_seqs + 1, 2)
+    lo, hi = window[table_row].T
+    assert lo.tolist() == (starts // block).tolist()
+    assert hi.tolist() == ((starts + rows - 1) // block).tolist()
+    assert (hi - lo < width).all()
+    unused = np.setdiff1d(np.arange(ring.shape[0]), table_row)
+    assert (window[unused] == [0, -1]).all(), "a row without a request may write a block"
     slots = [int(ring[table_row[r], b % width]) for r in range(len(reqs)) for b in
              range(lo[r], hi[r] + 1)]  # fmt: skip
     assert len(set(slots)) == len(slots), "two blocks of the step share a slot"
@@ -113,6 +118,27 @@ def test_gate_passes_on_tiny_steps(case) -> None:
     for what in ("slots", "rows"):
         written = expected[what].reshape(-1, model.row_elems) != sentinel
         assert written.all(axis=1).sum() == written.any(axis=1).sum() == step.accepted_rows
+
+
+@pytest.mark.parametrize("kind", ["decode-5", "prefill", "spec-k3"])
+def test_launcher_leaves_the_gates_bytes_launch_after_launch(kind: str) -> None:
+    # bench_step times step.launcher (GatherPackLaunch) and checks what the timed launches
+    # left against the gate's expectation: that holds only if every launch writes the same.
+    step = kb.build_step(U16, kind, sizes=TINY, device="cpu", seed=9)
+    expected = kb.expected_outputs(step, kb.vllm_host_rows(step))
+    for layout in ("slots", "rows"):
+        dest, info = step.new_output(layout, "cpu"), step.new_output("info", "cpu")
+        launch = step.launcher(dest, info)
+        for _ in range(2):
+            launch()
+            assert kb.compare(expected, {"launcher": {layout: dest, "info": info}}) == []
+    dest = step.new_output("slots", "cpu")
+    step.launcher(dest, step.new_output("info", "cpu"))()
+    dest.view(-1)[-1] = 0  # one uint16 id: two bytes
+    size = 2 * dest.numel()
+    assert kb.compare(expected, {"launcher": {"slots": dest}}) == [
+        f"launcher slots: 2 of {size} bytes differ, first at byte {size - 2}"
+    ]
 
 
 def _spec_step() -> kb.Step:
@@ -171,7 +197,8 @@ def test_bench_step_times_every_provider_on_gpu() -> None:
     for kind in kb.step_kinds(sizes):
         step = kb.build_step(U16, kind, sizes=sizes, device="cuda", seed=11)
         assert kb.gate(step) is None
-        rows = kb.bench_step(step, peaks)
+        rows, problem = kb.bench_step(step, peaks)
+        assert problem is None
         providers = [r.provider for r in rows]
         assert providers[0] == "r3capture-kernel" and providers[-2:] == ["vllm-cast", "vllm"]
         assert "r3capture-staging" in providers
