@@ -6,9 +6,11 @@ sequence of steps (decode 256 requests, an 8192-token chunked prefill, speculati
                      num_rejected) + a per-step narrow snapshot (buffer[:n].to(dtype)) copied
                      to the host, as vLLM 0.33.0 does
   r3capture-pinned   the same vLLM buffers + the worker's: one int32 buffer of per-step inputs
-                     (query_start_loc, table rows, block windows, ring updates) filled by one
-                     copy, the persistent slot ring [max_num_seqs + 1, W] and step_info; rows
-                     go straight into the pinned host arena
+                     (query_start_loc, table rows, the step's block windows, ring updates)
+                     filled by one copy, the persistent slot ring [max_num_seqs + 1, W] with
+                     its block windows [max_num_seqs + 1, 2], and step_info; one
+                     GatherPackLaunch built at start-up; rows go straight into the pinned
+                     host arena
   r3capture-staging  as above + device staging [max_num_batched_tokens, L, K] in step-row
                      order, copied back per step; the host places its rows with the ring
 and reports torch.cuda.max_memory_allocated / max_memory_reserved above the process's
@@ -42,7 +44,7 @@ import torch
 
 from bench.common import RESULTS_DIR, write_results
 from bench.kernel_bench import DEST_SENTINEL, ring_width
-from r3capture.kernels import gather_pack
+from r3capture.kernels import GatherPackLaunch
 
 EXIT_NO_NVML = 3
 EXIT_NO_TORCH_CUDA = 4
@@ -172,22 +174,31 @@ class Provider:
             self.snapshot_host: np.ndarray | None = None
             return
 
-        self._stride = limits.max_seqs + 1
+        # Per-step inputs, one int32 buffer: query_start_loc, table rows, the step's block
+        # windows (lo, hi per request), then the ring updates (flat index, slot).
+        self._stride = stride = limits.max_seqs + 1
         max_updates = limits.max_slots
-        length = 4 * self._stride + 2 * max_updates
+        length = 4 * stride + 2 * max_updates
         self.inputs_host = torch.zeros(length, dtype=torch.int32, pin_memory=pinned)
         self.inputs = torch.zeros(length, dtype=torch.int32, device=self.device)
         width = ring_width(limits.max_tokens, B)
-        self.ring = torch.full((self._stride, width), -1, dtype=torch.int32, device=self.device)
+        self.ring = torch.full((stride, width), -1, dtype=torch.int32, device=self.device)
+        # Every row starts with the empty window: it may write no block.
+        self.window = torch.tensor([[0, -1]], dtype=torch.int32).repeat(stride, 1).to(self.device)
         self.info = torch.zeros((limits.max_seqs, 3), dtype=torch.int32, device=self.device)
         self.info_host = torch.zeros((limits.max_seqs, 3), dtype=torch.int32, pin_memory=pinned)
         # The store's arena: pinned host memory the kernel writes (direct) or the host fills.
         self.arena = torch.empty((limits.max_slots, B, L, K), dtype=self.dtype,
                                  pin_memory=pinned)  # fmt: skip
+        dest = self.arena
         if name == "r3capture-staging":
             shape = (limits.max_tokens, L, K)
-            self.staging = torch.empty(shape, dtype=self.dtype, device=self.device)
+            self.staging = dest = torch.empty(shape, dtype=self.dtype, device=self.device)
             self.staging_host = torch.empty(shape, dtype=self.dtype, pin_memory=pinned)
+        self.launch = GatherPackLaunch(
+            self.capture, self.inputs[stride : 2 * stride], self.ring, self.window, dest,
+            self.info, hash_block=B, num_slots=limits.max_slots, impl="triton",
+        )  # fmt: skip
 
     def run(self, step: ProfileStep, plan: Plan) -> None:
         """Enqueue one step's device work and copies back; the caller synchronizes."""
@@ -207,36 +218,28 @@ class Provider:
         stride, num_updates = self._stride, len(plan.ring_index)
         host = self.inputs_host.numpy()
         host[: num_reqs + 1] = plan.qsl
-        for i, values in enumerate((plan.table_row, plan.block_lo, plan.block_hi), start=1):
-            host[i * stride : i * stride + num_reqs] = values
+        host[stride : stride + num_reqs] = plan.table_row
+        windows = host[2 * stride : 2 * stride + 2 * num_reqs].reshape(num_reqs, 2)
+        windows[:] = np.stack([plan.block_lo, plan.block_hi], axis=1)
         at = 4 * stride
         host[at : at + num_updates] = plan.ring_index
         host[at + num_updates : at + 2 * num_updates] = plan.block_slots
         used = at + 2 * num_updates
         self.inputs[:used].copy_(self.inputs_host[:used], non_blocking=True)
+        # The step's requests are all new here: each one's row of windows and ring is set.
+        table_row = self.inputs[stride : stride + num_reqs]
+        self.window.index_put_(
+            (table_row,), self.inputs[2 * stride : 2 * stride + 2 * num_reqs].view(num_reqs, 2)
+        )
         self.ring.view(-1).index_put_(
             (self.inputs[at : at + num_updates],), self.inputs[at + num_updates : used]
         )
         staging = self.name == "r3capture-staging"
         if staging:
             _poison(self.staging, self.sentinel)
-        gather_pack(
-            self.capture,
-            self.inputs[: num_reqs + 1],
-            self.positions,
-            self.inputs[stride : stride + num_reqs],
-            self.inputs[2 * stride : 2 * stride + num_reqs],
-            self.inputs[3 * stride : 3 * stride + num_reqs],
-            self.ring,
-            self.staging if staging else self.arena,
-            self.info,
-            self.num_rejected[:num_reqs] if step.speculative else None,
-            num_reqs=num_reqs,
-            num_rows=n,
-            hash_block=self.limits.block if staging else None,
-            num_slots=self.limits.max_slots if staging else None,
-            impl="triton",
-        )
+        rejected = self.num_rejected[:num_reqs] if step.speculative else None
+        self.launch(self.inputs[: num_reqs + 1], self.positions, rejected, num_reqs=num_reqs,
+                    num_rows=n)  # fmt: skip
         self.info_host[:num_reqs].copy_(self.info[:num_reqs], non_blocking=True)
         if staging:
             self.staging_host[:n].copy_(self.staging[:n], non_blocking=True)
