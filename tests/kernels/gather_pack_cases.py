@@ -15,8 +15,14 @@ from dataclasses import dataclass, field
 
 import torch
 
+from r3capture.kernels import GatherPackLaunch
+
 DEST_SENTINEL = {torch.uint8: 0xA5, torch.uint16: 0xA5A5}
 INFO_SENTINEL = -99
+# What a new step changes: every input the kernel reads. A graph replays a step only through
+# these tensors (and the outputs), so each must be rewritten in place.
+STEP_INPUTS = ("capture", "query_start_loc", "positions", "table_row", "slot_table",
+               "block_window", "num_rejected")  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -301,16 +307,35 @@ def graph_script(rows_layout: bool = False) -> list[tuple[Case, int]]:
     return [(cases[0], 1), (cases[1], 2), (cases[2], 3), (cases[0], 4)]
 
 
-def load_step(static: dict, fresh: dict) -> None:
+def load_step(static: dict, fresh: dict) -> set[str]:
     """Write a step's arguments into the tensors a graph captured (``static``): same shapes,
-    same host-side values (those are baked into the graph), new contents."""
+    same host-side values (those are baked into the graph), new contents. Returns the names
+    of the tensors whose contents changed."""
     assert static.keys() == fresh.keys()
+    changed = set()
     for name, value in fresh.items():
         if isinstance(value, torch.Tensor):
             assert static[name].shape == value.shape and static[name].dtype == value.dtype, name
+            if not torch.equal(static[name], value.to(static[name].device)):
+                changed.add(name)
             static[name].copy_(value)
         else:
             assert static[name] == value, f"{name}: captured {static[name]}, step has {value}"
+    return changed
+
+
+def prepared_launch(args: dict, impl: str = "auto") -> Callable[[], None]:
+    """The worker's path for ``gather_pack`` keyword arguments: a ``GatherPackLaunch`` over
+    the static ones, and a call that passes the per-step ones (read from ``args`` now, so
+    tensors replaced in ``args`` later are not seen)."""
+    launch = GatherPackLaunch(
+        args["capture"], args["table_row"], args["slot_table"], args["block_window"],
+        args["dest"], args["step_info"], hash_block=args.get("hash_block"),
+        num_slots=args.get("num_slots"), impl=impl,
+    )  # fmt: skip
+    qsl, positions, rejected = args["query_start_loc"], args["positions"], args["num_rejected"]
+    num_reqs, num_rows = args["num_reqs"], args["num_rows"]
+    return lambda: launch(qsl, positions, rejected, num_reqs=num_reqs, num_rows=num_rows)
 
 
 def set_input(name: str, index, value) -> Callable[[dict], None]:
