@@ -7,11 +7,27 @@
 # pytest; no vLLM, no internet): installs r3capture offline from this checkout, runs the
 # gpu-marked tests, the kernel microbenchmark and the NVML memory profile. Each stage has
 # its own time limit so the whole run stays under 8 minutes; a failing stage does not stop
-# the later ones. Exit status: 0 when every stage passed.
+# the later ones. Exit status: 0 when every stage passed, 1 when one failed, 2 when there is
+# no usable GPU (checked first, in seconds; nothing is installed or written then).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT="${1:-bench/results/gpu}"
 PY="${PYTHON:-python3}"
+
+gpu=$(timeout 60 "$PY" -c 'import sys
+try:
+    import torch
+except ImportError as exc:
+    sys.exit(f"{sys.executable} cannot import torch ({exc})")
+if not torch.cuda.is_available():
+    sys.exit(f"torch {torch.__version__} sees no CUDA device")
+print(torch.cuda.get_device_name())' 2>&1)
+if [ $? -ne 0 ]; then
+    echo "gpu_check: no usable GPU: ${gpu:-probe timed out}" >&2
+    echo "gpu_check: nothing was run; run this on a CUDA machine (CPU checks: pytest tests)" >&2
+    exit 2
+fi
+echo "gpu_check: on $gpu"
 mkdir -p "$OUT"
 SUMMARY="$OUT/summary.txt"
 : > "$SUMMARY"
@@ -45,7 +61,8 @@ from r3capture.kernels import can_write_host_directly
 print("direct host writes:", can_write_host_directly("cuda"))'
 # Only the suites with gpu tests: others need vLLM or hypothesis, which this image lacks.
 stage pytest_gpu 150 "$PY" -m pytest -m gpu -q -p no:cacheprovider \
-    tests/kernels tests/aux_output/test_worker_gpu.py --junitxml="$OUT/pytest_gpu.xml" -rs
+    tests/kernels tests/bench tests/aux_output/test_worker_gpu.py \
+    --junitxml="$OUT/pytest_gpu.xml" -rs
 stage kernel_bench 150 "$PY" -m bench.kernel_bench --out "$OUT"
 stage nvml_profile 80 "$PY" -m bench.nvml_profile --out "$OUT"
 

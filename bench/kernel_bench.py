@@ -1,28 +1,46 @@
 """GPU microbenchmark of the gather-pack step kernel against vLLM 0.33.0's snapshot path.
 
-For each model shape x step kind it times, with ``triton.testing.do_bench`` (p50/p20/p80):
-  r3capture-kernel   gather_pack into device staging (GPU time: HBM efficiency)
-  r3capture-pinned   gather_pack straight into a pinned host arena, then stream sync (the
-                     rows are on the host, block-aligned, nothing else to do)
-  r3capture-staging  gather_pack into device staging + one async copy of the step's slots
-                     (and step_info) to the pinned arena, then stream sync
+For each model shape x step kind (decode with 1 to 512 requests, an 8192-token chunked
+prefill, speculative decoding with k=3) it times, with ``triton.testing.do_bench``
+(p50/p20/p80):
+  r3capture-kernel   gather_pack into device slots ``[S, B, L, K]`` (GPU time: HBM efficiency)
+  r3capture-pinned   gather_pack straight into the pinned host arena (and step_info), then
+                     stream sync: the rows are on the host, block-aligned, nothing else to do
+  r3capture-staging  gather_pack into device staging ``[rows, L, K]`` in step-row order + one
+                     async copy of the step's num_rows rows (and step_info) to pinned host
+                     memory, then stream sync (placing the rows into the arena with the slot
+                     table is host work, not timed here)
   vllm-cast          buffer[:n].to(dtype), the GPU half of vLLM's path (GPU time)
   vllm               buffer[:n].to(dtype) + .to("cpu", non_blocking=True) of it and of
                      num_rejected + stream sync + per-request host slicing of accepted rows
 and reports µs, effective GB/s, % of the measured HBM peak (a large device copy) and of the
-measured PCIe peak (a large pinned D2H copy), and the bytes that cross PCIe per step.
+measured PCIe peak (a large pinned D2H copy), the bytes that cross PCIe per step, and the
+speedup over the vLLM provider timed the same way (``vllm-cast`` for GPU time, ``vllm`` for
+wall time until the host may read the rows). The r3capture providers launch through a
+``GatherPackLaunch`` built once per step and output (the worker's hot path: only the per-step
+arguments are checked per call).
 
-Every configuration is gated on correctness before it is timed: the kernel's arena and
-step_info must equal the torch reference byte for byte, and the accepted rows read back
-from the arena must equal vLLM's host slices. A configuration that fails the gate gets no
-timings. On a machine without CUDA only the gate runs (Triton interpreter, scaled-down
-steps) and the script says that timings need a GPU, then exits 0.
+Inputs are built as the worker builds them: every request owns one row of a persistent ring
+slot table ``[max_num_seqs + 1, W]`` (the slot of hash block b sits at column ``b % W``), its
+row of ``block_window [max_num_seqs + 1, 2]`` holds the window ``lo ..= hi`` of blocks covering
+its scheduled rows (rows without a request hold the empty window ``[0, -1]``), every block of a
+window maps to a distinct slot of a shuffled arena, and ``positions`` holds each row's token
+position on the device.
+
+Every configuration is gated on correctness before it is timed: the accepted rows of vLLM's
+path, placed with the slot table, give the expected arena, staging and step_info; the torch
+reference and every r3capture provider's output (through ``gather_pack``) must equal them
+byte for byte, with every other byte still poisoned. A configuration that fails the gate gets
+no timings; after timing, what the timed launches left (every launch writes the same bytes)
+is checked the same way, or the configuration's timings are dropped. On a machine without
+CUDA only the gate runs (Triton interpreter, scaled-down steps) and the script says that
+timings need a GPU, then exits 0.
 
     python -m bench.kernel_bench [--quick] [--out DIR]    (or: python -m bench.run kernel)
 
 Rows follow ``bench.common.Result``: shape = [scheduled rows, L, K]; ``params`` carries the
 model, step, timing kind (``gpu``: CUDA events around the launch; ``wall+sync``: until the
-host may read the rows), bytes and bandwidths.
+host may read the rows), bytes, bandwidths and the speedup over vLLM.
 """
 
 from __future__ import annotations
@@ -49,178 +67,316 @@ import triton  # noqa: E402
 
 from bench.common import RESULTS_DIR, Result, machine_info, write_results  # noqa: E402
 from r3capture.kernels import (  # noqa: E402
+    GatherPackLaunch,
     can_write_host_directly,
     gather_pack,
     gather_pack_reference,
 )
 
 HASH_BLOCK = 16
-MAX_NUM_BATCHED_TOKENS = 8192
+DEPTH = 2  # steps in flight (vLLM's max_concurrent_batches under async scheduling)
 QUANTILES = [0.5, 0.2, 0.8]  # do_bench wants a list
+# Poison for every output the kernel must write; no expert id equals it (see build_step).
+DEST_SENTINEL = {torch.uint8: 0xFF, torch.uint16: 0xFFFF}
+INFO_SENTINEL = -99
+
+
+@dataclass(frozen=True)
+class Sizes:
+    """Engine limits and the size of each step kind."""
+
+    max_tokens: int  # capture rows (max_num_batched_tokens)
+    max_seqs: int  # most requests per step; the slot ring has one row more
+    decode_reqs: tuple[int, ...]  # requests of each decode step (one row each)
+    prefill_chunks: int  # requests of the chunked prefill, max_tokens // chunks rows each
+    spec_reqs: int  # requests of the speculative step, k + 1 = 4 rows each
+    max_start: int  # token positions of first rows are drawn below this
+
+
+GPU_SIZES = Sizes(8192, 512, (1, 16, 128, 512), 4, 256, 32_000)
+# Without CUDA the gate runs under the Triton interpreter: the same kinds, smaller.
+CPU_SIZES = Sizes(256, 16, (1, 16), 4, 16, 2_000)
+
+
+def ring_width(max_tokens: int, block: int, depth: int = DEPTH) -> int:
+    """W as the worker sizes it: a request's unmapped-yet blocks span the steps in flight
+    plus the one being prepared, each up to a full step of blocks, plus one."""
+    step_blocks = -(-max_tokens // block) + 1
+    return (depth + 1) * step_blocks + 1
 
 
 @dataclass(frozen=True)
 class Request:
-    rows: int
-    start: int
-    rejected: int = 0
+    rows: int  # scheduled rows this step
+    start: int  # token position of the first row
+    rejected: int = 0  # speculative rows rejected at the end
 
 
-def make_step(kind: str, rng: random.Random, small: bool) -> tuple[list[Request], bool]:
+def step_kinds(sizes: Sizes) -> list[str]:
+    return [f"decode-{n}" for n in sizes.decode_reqs] + ["prefill", "spec-k3"]
+
+
+def make_step(kind: str, sizes: Sizes, rng: random.Random) -> tuple[list[Request], bool]:
     """Requests of one step, and whether the step has speculative (rejected) rows."""
-    if kind == "decode":
-        n = 32 if small else 256
-        return [Request(1, rng.randrange(0, 32_000)) for _ in range(n)], False
+    if kind.startswith("decode-"):
+        n = int(kind.removeprefix("decode-"))
+        return [Request(1, rng.randrange(0, sizes.max_start)) for _ in range(n)], False
     if kind == "prefill":
-        # Chunked prefill: 8192 tokens in four chunks, each starting mid-block.
-        chunk = 128 if small else 2048
-        return [Request(chunk, rng.randrange(0, 16_000)) for _ in range(4)], False
-    if kind == "spec":
+        # Chunked prefill: max_tokens rows in chunks, each starting anywhere in a block.
+        chunk = sizes.max_tokens // sizes.prefill_chunks
+        starts = [rng.randrange(0, sizes.max_start) for _ in range(sizes.prefill_chunks)]
+        return [Request(chunk, s) for s in starts], False
+    if kind == "spec-k3":
         # k=3 drafts, each accepted with p=0.5 until the first rejection: ~47% of rows kept.
         reqs = []
-        for _ in range(32 if small else 256):
+        for _ in range(sizes.spec_reqs):
             kept = 0
             while kept < 3 and rng.random() < 0.5:
                 kept += 1
-            reqs.append(Request(4, rng.randrange(0, 32_000), 3 - kept))
+            reqs.append(Request(4, rng.randrange(0, sizes.max_start), 3 - kept))
         return reqs, True
     raise ValueError(f"unknown step kind {kind!r}")
 
 
-STEP_KINDS = ("decode", "prefill", "spec")
-
-
 @dataclass
 class Step:
+    """One engine step's kernel inputs, on ``device``."""
+
     model: ModelShape
     kind: str
+    block: int  # B
     reqs: list[Request]
-    args: dict  # gather_pack arguments with dest/step_info on the device
-    num_slots: int
+    # capture, query_start_loc, positions, table_row, slot_table, block_window,
+    # num_rejected (None without speculation)
+    inputs: dict[str, torch.Tensor | None]
+    num_slots: int  # S, slots of the arena
 
     @property
-    def label(self) -> str:
-        if self.kind == "decode":
-            return f"decode {len(self.reqs)} req"
-        if self.kind == "prefill":
-            return f"prefill {self.sched_rows} tok"
-        return f"spec k=3 {len(self.reqs)} req {100 * self.accepted_rows // self.sched_rows}% acc"
+    def device(self) -> torch.device:
+        return self.inputs["capture"].device
 
     @property
-    def sched_rows(self) -> int:
+    def num_rows(self) -> int:
         return sum(r.rows for r in self.reqs)
 
     @property
     def accepted_rows(self) -> int:
         return sum(r.rows - r.rejected for r in self.reqs)
 
+    @property
+    def label(self) -> str:
+        if self.kind.startswith("decode"):
+            return f"decode {len(self.reqs)} req"
+        if self.kind == "prefill":
+            return f"prefill {self.num_rows} tok {len(self.reqs)} chunks"
+        return f"spec k=3 {len(self.reqs)} req {100 * self.accepted_rows // self.num_rows}% acc"
 
-def build_step(model: ModelShape, kind: str, device: str, seed: int, small: bool) -> Step:
-    rng = random.Random(seed)
-    reqs, speculative = make_step(kind, rng, small)
-    gen = torch.Generator().manual_seed(seed)
-    capture = torch.randint(
-        0, model.num_experts, (MAX_NUM_BATCHED_TOKENS, model.num_layers, model.top_k),
-        generator=gen, dtype=torch.int32,
-    )  # fmt: skip
-    qsl, first_block, cols = [0], [], []
-    for r in reqs:
-        qsl.append(qsl[-1] + r.rows)
-        lo, hi = r.start // HASH_BLOCK, (r.start + r.rows - 1) // HASH_BLOCK
-        first_block.append(lo)
-        cols.append(hi - lo + 1)
-    # The step's slots are numbered contiguously, so device staging needs one copy.
-    table = torch.full((len(reqs), max(cols)), -1, dtype=torch.int32)
-    next_slot = 0
-    for i, n in enumerate(cols):
-        table[i, :n] = torch.arange(next_slot, next_slot + n, dtype=torch.int32)
-        next_slot += n
-    num_slots = next_slot
-    args = {
-        "capture": capture,
-        "query_start_loc": torch.tensor(qsl, dtype=torch.int32),
-        "start_pos": torch.tensor([r.start for r in reqs], dtype=torch.int32),
-        "first_block": torch.tensor(first_block, dtype=torch.int32),
-        "slot_table": table,
-        "dest": torch.zeros(
-            (num_slots, HASH_BLOCK, model.num_layers, model.top_k), dtype=model.dtype
-        ),
-        "step_info": torch.zeros((len(reqs), 3), dtype=torch.int32),
-        "num_rejected": (
-            torch.tensor([r.rejected for r in reqs], dtype=torch.int32) if speculative else None
-        ),
-    }
-    args = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in args.items()}
-    return Step(model, kind, reqs, args, num_slots)
+    def slots_args(self, dest: torch.Tensor, step_info: torch.Tensor, **inputs) -> dict:
+        """gather_pack arguments writing ``dest [S, B, L, K]``; ``inputs`` replaces some."""
+        return dict(self.inputs, **inputs, dest=dest, step_info=step_info,
+                    num_reqs=len(self.reqs), num_rows=self.num_rows)  # fmt: skip
 
+    def rows_args(self, staging: torch.Tensor, step_info: torch.Tensor, **inputs) -> dict:
+        """gather_pack arguments writing device staging ``[>= num_rows, L, K]``."""
+        args = self.slots_args(staging, step_info, **inputs)
+        return dict(args, hash_block=self.block, num_slots=self.num_slots)
 
-def _clone(args: dict, **place) -> dict:
-    out = {}
-    for name, value in args.items():
-        if not isinstance(value, torch.Tensor):
-            out[name] = value
-        elif place.get(name) == "pinned":
-            out[name] = torch.zeros(value.shape, dtype=value.dtype, pin_memory=True)
-        elif place.get(name) == "cpu":
-            out[name] = value.cpu().clone()
+    def launcher(self, dest: torch.Tensor, step_info: torch.Tensor) -> Callable[[], None]:
+        """The worker's hot path for this step into ``dest`` (slots or staging): a
+        ``GatherPackLaunch`` over the static arguments, validated here once, and a call that
+        passes only the per-step ones."""
+        x = self.inputs
+        launch = GatherPackLaunch(
+            x["capture"], x["table_row"], x["slot_table"], x["block_window"], dest, step_info,
+            hash_block=self.block, num_slots=self.num_slots, impl="triton",
+        )  # fmt: skip
+        qsl, positions, rejected = x["query_start_loc"], x["positions"], x["num_rejected"]
+        num_reqs, num_rows = len(self.reqs), self.num_rows
+        return lambda: launch(qsl, positions, rejected, num_reqs=num_reqs, num_rows=num_rows)
+
+    def new_output(self, what: str, place: str) -> torch.Tensor:
+        """A poisoned ``slots``/``rows``/``info`` output on ``place``: device | pinned | cpu."""
+        L, K = self.model.num_layers, self.model.top_k
+        dtype, fill = self.model.dtype, DEST_SENTINEL[self.model.dtype]
+        if what == "slots":
+            shape = (self.num_slots, self.block, L, K)
+        elif what == "rows":
+            shape = (self.inputs["capture"].shape[0], L, K)
         else:
-            out[name] = value.clone()
-    return out
+            shape, dtype, fill = (len(self.reqs), 3), torch.int32, INFO_SENTINEL
+        out = torch.full(shape, fill, dtype=torch.int32).to(dtype)
+        if place == "pinned":
+            return out.pin_memory()
+        return out.to(self.device) if place == "device" else out
+
+
+def build_step(
+    model: ModelShape,
+    kind: str,
+    *,
+    sizes: Sizes,
+    device: str | torch.device,
+    seed: int,
+    block: int = HASH_BLOCK,
+) -> Step:
+    """One step of ``kind`` with the worker's inputs (see the module docstring)."""
+    rng = random.Random(seed)
+    reqs, speculative = make_step(kind, sizes, rng)
+    num_reqs = len(reqs)
+    if sum(r.rows for r in reqs) > sizes.max_tokens or num_reqs > sizes.max_seqs:
+        raise ValueError(f"{kind}: {num_reqs} requests or their rows exceed {sizes}")
+    gen = torch.Generator().manual_seed(seed)
+    shape = (sizes.max_tokens, model.num_layers, model.top_k)
+    capture = torch.randint(0, model.num_experts, shape, generator=gen, dtype=torch.int32)
+    # No id may equal the poison, or a missing write could pass unseen.
+    capture[capture == DEST_SENTINEL[model.dtype]] -= 1
+
+    rows = np.array([r.rows for r in reqs], dtype=np.int64)
+    starts = np.array([r.start for r in reqs], dtype=np.int64)
+    qsl = np.concatenate([[0], np.cumsum(rows)])
+    num_rows = int(qsl[-1])
+    # Rows past the step are padding: no position there is ever read.
+    positions = np.full(sizes.max_tokens, -1, dtype=np.int64)
+    positions[:num_rows] = np.repeat(starts - qsl[:-1], rows) + np.arange(num_rows)
+    block_lo = starts // block
+    block_hi = (starts + rows - 1) // block
+
+    width = ring_width(sizes.max_tokens, block)
+    num_table_rows = sizes.max_seqs + 1
+    table_row = np.array(rng.sample(range(num_table_rows), num_reqs), dtype=np.int64)
+    # Rows without a request hold the empty window [0, -1].
+    block_window = np.tile(np.array([0, -1], dtype=np.int64), (num_table_rows, 1))
+    block_window[table_row] = np.stack([block_lo, block_hi], axis=1)
+    num_blocks = block_hi - block_lo + 1
+    assert (num_blocks <= width).all(), "a window wider than the ring"
+    # An arena twice the step's blocks, shuffled: slots are distinct, never in request order.
+    num_slots = 2 * int(num_blocks.sum())
+    slots = np.array(rng.sample(range(num_slots), int(num_blocks.sum())), dtype=np.int64)
+    ring = np.full((num_table_rows, width), -1, dtype=np.int32)
+    owner = np.repeat(np.arange(num_reqs), num_blocks)
+    first_of = np.cumsum(num_blocks) - num_blocks
+    blocks = block_lo[owner] + np.arange(len(owner)) - first_of[owner]
+    ring[table_row[owner], blocks % width] = slots
+
+    def int32(values: np.ndarray) -> torch.Tensor:
+        return torch.from_numpy(values.astype(np.int32))
+
+    inputs = {
+        "capture": capture,
+        "query_start_loc": int32(qsl),
+        "positions": torch.from_numpy(positions),
+        "table_row": int32(table_row),
+        "slot_table": torch.from_numpy(ring),
+        "block_window": int32(block_window),
+        "num_rejected": int32(np.array([r.rejected for r in reqs])) if speculative else None,
+    }
+    inputs = {k: v.to(device) if v is not None else None for k, v in inputs.items()}
+    return Step(model, kind, block, reqs, inputs, num_slots)
+
+
+def _synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.current_stream(device).synchronize()
 
 
 def vllm_host_rows(step: Step) -> list[np.ndarray]:
     """vLLM 0.33.0's path: narrow snapshot of every scheduled row, D2H, host slicing."""
-    args = step.args
-    n = step.sched_rows
-    snapshot = args["capture"][:n].to(step.model.dtype)
+    n = step.num_rows
+    snapshot = step.inputs["capture"][:n].to(step.model.dtype)
     host = snapshot.to("cpu", non_blocking=True)
-    rejected = args["num_rejected"]
+    rejected = step.inputs["num_rejected"]
     rejected_host = rejected.to("cpu", non_blocking=True) if rejected is not None else None
-    if host.is_cuda or snapshot.is_cuda:
-        torch.cuda.current_stream().synchronize()
+    _synchronize(step.device)
     rows = host.numpy()
     qsl = np.cumsum([0] + [r.rows for r in step.reqs])
     rej = rejected_host.numpy() if rejected_host is not None else np.zeros(len(step.reqs), int)
     return [rows[qsl[i] : qsl[i + 1] - int(rej[i])] for i in range(len(step.reqs))]
 
 
-def arena_rows(step: Step, dest: torch.Tensor) -> list[np.ndarray]:
-    """Each request's accepted rows read back from a block-aligned arena."""
-    arena = dest.cpu().numpy()
-    table = step.args["slot_table"].cpu().numpy()
-    out = []
-    for i, r in enumerate(step.reqs):
-        pos = r.start + np.arange(r.rows - r.rejected)
-        slots = table[i, pos // HASH_BLOCK - r.start // HASH_BLOCK]
-        out.append(arena[slots, pos % HASH_BLOCK])
-    return out
+def copy_staging(step: Step, staging, info, host_rows, host_info) -> None:
+    """The staging provider's copies after its kernel: one async copy of num_rows rows (and
+    step_info) into pinned host memory. The caller synchronizes."""
+    n = step.num_rows
+    host_rows[:n].copy_(staging[:n], non_blocking=True)
+    host_info.copy_(info, non_blocking=True)
+
+
+def expected_outputs(step: Step, host_rows: list[np.ndarray]) -> dict[str, np.ndarray]:
+    """``slots`` [S, B, L, K], ``rows`` [T, L, K] and ``info`` [R, 3] the gather must leave:
+    vLLM's accepted rows placed with the slot table (or in step-row order), poison elsewhere."""
+    model, block = step.model, step.block
+    L, K = model.num_layers, model.top_k
+    sentinel = DEST_SENTINEL[model.dtype]
+    slots = np.full((step.num_slots * block, L, K), sentinel, dtype=model.np_dtype)
+    rows = np.full((step.inputs["capture"].shape[0], L, K), sentinel, dtype=model.np_dtype)
+    info = np.zeros((len(step.reqs), 3), dtype=np.int32)
+    ring = step.inputs["slot_table"].cpu().numpy()
+    table_row = step.inputs["table_row"].cpu().numpy()
+    first_row = 0
+    for r, (req, accepted) in enumerate(zip(step.reqs, host_rows)):
+        pos = req.start + np.arange(len(accepted))
+        slot = ring[table_row[r], (pos // block) % ring.shape[1]].astype(np.int64)
+        slots[slot * block + pos % block] = accepted
+        rows[first_row : first_row + len(accepted)] = accepted
+        info[r] = (req.start, len(accepted), 0)
+        first_row += req.rows
+    return {"slots": slots.reshape(step.num_slots, block, L, K), "rows": rows, "info": info}
+
+
+def _differs(what: str, actual: torch.Tensor, expected: np.ndarray) -> str | None:
+    a = actual.cpu().contiguous().view(torch.uint8).numpy().reshape(-1)
+    e = np.ascontiguousarray(expected).view(np.uint8).reshape(-1)
+    if a.shape != e.shape:
+        return f"{what}: {a.size} bytes, expected {e.size}"
+    diff = np.flatnonzero(a != e)
+    if diff.size == 0:
+        return None
+    return f"{what}: {diff.size} of {a.size} bytes differ, first at byte {int(diff[0])}"
+
+
+def compare(expected: dict[str, np.ndarray], left: dict[str, dict[str, torch.Tensor]]) -> list[str]:
+    """What differs between ``expected`` and each implementation's outputs (``left[name]``:
+    ``slots``/``rows``/``info`` tensors it wrote)."""
+    problems = []
+    for name, outputs in left.items():
+        for what, tensor in outputs.items():
+            problems.append(_differs(f"{name} {what}", tensor, expected[what]))
+    return [p for p in problems if p is not None]
 
 
 def gate(step: Step) -> str | None:
-    """None when every implementation agrees byte for byte, else what differed."""
-    device = step.args["capture"].device
-    kernel = _clone(step.args)
-    gather_pack(**kernel, impl="triton")
-    reference = _clone(step.args, **{n: "cpu" for n in step.args})
-    gather_pack_reference(**reference)
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-    for name in ("dest", "step_info"):
-        a = kernel[name].cpu().contiguous().view(torch.uint8)
-        b = reference[name].contiguous().view(torch.uint8)
-        if not torch.equal(a, b):
-            return f"kernel {name} != reference"
-    if device.type == "cuda" and can_write_host_directly(device):
-        pinned = _clone(step.args, dest="pinned", step_info="pinned")
-        gather_pack(**pinned)
-        torch.cuda.synchronize()
-        if not torch.equal(pinned["dest"].view(torch.uint8), reference["dest"].view(torch.uint8)):
-            return "pinned-host dest != reference"
-    ours, theirs = arena_rows(step, reference["dest"]), vllm_host_rows(step)
-    for i, (a, b) in enumerate(zip(ours, theirs)):
-        if a.dtype != b.dtype or a.shape != b.shape or a.tobytes() != b.tobytes():
-            return f"request {i}: arena rows != vLLM host slice"
-    return None
+    """None when every implementation leaves exactly the expected bytes, else what differed."""
+    expected = expected_outputs(step, vllm_host_rows(step))
+    problems = []
+
+    def check(name: str, outputs: dict[str, torch.Tensor]) -> None:
+        problems.extend(compare(expected, {name: outputs}))
+
+    host_inputs = {k: v.cpu() for k, v in step.inputs.items() if v is not None}
+    slots, info = step.new_output("slots", "cpu"), step.new_output("info", "cpu")
+    gather_pack_reference(**step.slots_args(slots, info, **host_inputs))
+    check("reference", {"slots": slots, "info": info})
+    rows, info = step.new_output("rows", "cpu"), step.new_output("info", "cpu")
+    gather_pack_reference(**step.rows_args(rows, info, **host_inputs))
+    check("reference staging", {"rows": rows, "info": info})
+
+    slots, info = step.new_output("slots", "device"), step.new_output("info", "device")
+    gather_pack(**step.slots_args(slots, info), impl="triton")
+    _synchronize(step.device)
+    check("r3capture-kernel", {"slots": slots, "info": info})
+    if can_write_host_directly(step.device):
+        slots, info = step.new_output("slots", "pinned"), step.new_output("info", "pinned")
+        gather_pack(**step.slots_args(slots, info), impl="triton")
+        _synchronize(step.device)
+        check("r3capture-pinned", {"slots": slots, "info": info})
+    host_place = "pinned" if step.device.type == "cuda" else "cpu"
+    staging, info = step.new_output("rows", "device"), step.new_output("info", "device")
+    host_rows, host_info = step.new_output("rows", host_place), step.new_output("info", host_place)
+    gather_pack(**step.rows_args(staging, info), impl="triton")
+    copy_staging(step, staging, info, host_rows, host_info)
+    _synchronize(step.device)
+    check("r3capture-staging", {"rows": host_rows, "info": host_info})
+    return "; ".join(problems) if problems else None
 
 
 def _bench(fn: Callable[[], object]) -> tuple[float, float, float]:
@@ -244,39 +400,52 @@ def measure_peaks() -> dict[str, float]:
     return {"hbm_gbps": hbm, "pcie_gbps": pcie}
 
 
-def bench_step(step: Step, peaks: dict[str, float]) -> list[Result]:
-    model, args = step.model, step.args
-    item = model.dtype.itemsize
-    row_in = model.row_elems * 4  # int32 capture
-    row_out = model.row_elems * item
-    acc, sched = step.accepted_rows, step.sched_rows
-    slot_bytes = step.num_slots * HASH_BLOCK * row_out
+# Which vLLM provider each provider is compared with (timed the same way).
+_BASELINE = {"gpu": "vllm-cast", "wall+sync": "vllm"}
 
-    device_args = _clone(args)
-    direct = can_write_host_directly(args["capture"].device)
-    pinned_args = _clone(args, dest="pinned", step_info="pinned") if direct else None
-    host_arena = torch.empty(args["dest"].shape, dtype=model.dtype, pin_memory=True)
-    host_info = torch.empty(args["step_info"].shape, dtype=torch.int32, pin_memory=True)
+
+def bench_step(step: Step, peaks: dict[str, float]) -> tuple[list[Result], str | None]:
+    """Times every provider on a step that passed the gate (needs CUDA): the rows, or none
+    and what differed when the outputs the timed launches left are not the expected ones."""
+    model = step.model
+    row_in = model.row_elems * 4  # int32 capture
+    row_out = model.row_elems * model.dtype.itemsize
+    acc, sched = step.accepted_rows, step.num_rows
+    info_bytes = len(step.reqs) * 3 * 4
     stream = torch.cuda.current_stream()
 
+    # Each r3capture provider: a launcher built once, outside the timing, as the worker does.
+    slots, info = step.new_output("slots", "device"), step.new_output("info", "device")
+    to_slots = step.launcher(slots, info)
+    staging, staging_info = step.new_output("rows", "device"), step.new_output("info", "device")
+    to_staging = step.launcher(staging, staging_info)
+    host_rows, host_info = step.new_output("rows", "pinned"), step.new_output("info", "pinned")
+    left = {
+        "r3capture-kernel": {"slots": slots, "info": info},
+        "r3capture-staging": {"rows": host_rows, "info": host_info},
+    }
+    direct = can_write_host_directly(step.device)
+    if direct:
+        arena, arena_info = step.new_output("slots", "pinned"), step.new_output("info", "pinned")
+        to_arena = step.launcher(arena, arena_info)
+        left["r3capture-pinned"] = {"slots": arena, "info": arena_info}
+
     def r3_pinned():
-        gather_pack(**pinned_args)
+        to_arena()
         stream.synchronize()
 
     def r3_staging():
-        gather_pack(**device_args)
-        host_arena.copy_(device_args["dest"], non_blocking=True)
-        host_info.copy_(device_args["step_info"], non_blocking=True)
+        to_staging()
+        copy_staging(step, staging, staging_info, host_rows, host_info)
         stream.synchronize()
 
-    capture = args["capture"]
+    capture = step.inputs["capture"]
     providers = [
         # name, fn, timing, HBM bytes, PCIe bytes
-        ("r3capture-kernel", lambda: gather_pack(**device_args), "gpu", acc * (row_in + row_out),
-         0),
-        ("r3capture-pinned", r3_pinned, "wall+sync", acc * row_in, acc * row_out),
-        ("r3capture-staging", r3_staging, "wall+sync", acc * (row_in + row_out) + slot_bytes,
-         slot_bytes),
+        ("r3capture-kernel", to_slots, "gpu", acc * (row_in + row_out), 0),
+        ("r3capture-pinned", r3_pinned, "wall+sync", acc * row_in, acc * row_out + info_bytes),
+        ("r3capture-staging", r3_staging, "wall+sync", acc * (row_in + row_out) + sched * row_out,
+         sched * row_out + info_bytes),
         ("vllm-cast", lambda: capture[:sched].to(model.dtype), "gpu", sched * (row_in + row_out),
          0),
         ("vllm", lambda: vllm_host_rows(step), "wall+sync", sched * (row_in + 2 * row_out),
@@ -318,7 +487,17 @@ def bench_step(step: Step, peaks: dict[str, float]) -> list[Result]:
                 },
             )
         )
-    return rows
+    # Every launch writes the same bytes: what the timed launches left must be the gate's.
+    torch.cuda.synchronize()
+    problems = compare(expected_outputs(step, vllm_host_rows(step)), left)
+    if problems:
+        return [], "; ".join(problems)
+    p50_of = {r.provider: r.p50 for r in rows}
+    for r in rows:
+        baseline = _BASELINE[r.params["timing"]]
+        r.params["vs_vllm"] = baseline
+        r.params["speedup_vs_vllm"] = p50_of[baseline] / r.p50
+    return rows, None
 
 
 def _figure(rows: list[Result]):
@@ -347,21 +526,31 @@ def _figure(rows: list[Result]):
     return fig
 
 
-def run(quick: bool = False, out: Path | None = None) -> tuple[list[Result], list[str]]:
-    """Timing rows (empty without CUDA) and the configurations that failed the gate."""
-    models = MODELS[:1] + MODELS[2:3] if quick else MODELS
+def run(
+    quick: bool = False,
+    out: Path | None = None,
+    *,
+    models: tuple[ModelShape, ...] | None = None,
+    sizes: Sizes | None = None,
+) -> tuple[list[Result], list[str]]:
+    """Timing rows (empty without CUDA) and the configurations that failed the gate (or the
+    check of what the timed launches left)."""
+    if models is None:
+        models = MODELS[:1] + MODELS[2:3] if quick else MODELS
+    if sizes is None:
+        sizes = GPU_SIZES if HAS_CUDA else CPU_SIZES
     device = "cuda" if HAS_CUDA else "cpu"
     failures = []
     steps = []
     for i, model in enumerate(models):
-        for j, kind in enumerate(STEP_KINDS):
-            step = build_step(model, kind, device, seed=100 * i + j, small=not HAS_CUDA)
+        for j, kind in enumerate(step_kinds(sizes)):
+            step = build_step(model, kind, sizes=sizes, device=device, seed=100 * i + j)
             problem = gate(step)
-            label = f"{model.name:14s} {step.label:24s}"
-            print(f"gate {label} rows {step.accepted_rows:5d}/{step.sched_rows:5d}: "
+            label = f"{model.name:14s} {step.label:28s}"
+            print(f"gate {label} rows {step.accepted_rows:5d}/{step.num_rows:5d}: "
                   f"{'byte-equal' if problem is None else 'MISMATCH: ' + problem}")  # fmt: skip
             if problem is None:
-                steps.append(step)
+                steps.append((label, step))
             else:
                 failures.append(label)
     if failures:
@@ -377,18 +566,22 @@ def run(quick: bool = False, out: Path | None = None) -> tuple[list[Result], lis
         f"measured peaks: HBM {peaks['hbm_gbps']:.0f} GB/s, PCIe D2H {peaks['pcie_gbps']:.1f} GB/s"
     )
     rows = []
-    for step in steps:
-        step_rows = bench_step(step, peaks)
+    for label, step in steps:
+        step_rows, problem = bench_step(step, peaks)
+        if problem is not None:
+            print(f"timed {label}: MISMATCH after timing, timings dropped: {problem}")
+            failures.append(label)
         rows.extend(step_rows)
         for r in step_rows:
             q = r.params
-            print(f"{q['model']:14s} {q['step']:24s} {r.provider:18s} p50 {r.p50:9.1f} us  "
+            print(f"{q['model']:14s} {q['step']:28s} {r.provider:18s} p50 {r.p50:9.1f} us  "
                   f"HBM {q['hbm_gbps']:7.1f} GB/s ({q['hbm_pct_of_peak']:5.1f}%)  "
                   f"PCIe {q['pcie_bytes'] / 1e6:7.3f} MB {q['pcie_gbps']:6.1f} GB/s "
-                  f"({q['pcie_pct_of_peak']:5.1f}%)")  # fmt: skip
+                  f"({q['pcie_pct_of_peak']:5.1f}%)  x{q['speedup_vs_vllm']:.2f} "
+                  f"vs {q['vs_vllm']}")  # fmt: skip
     if out is not None and rows:
         paths = write_results("kernel_bench", rows, figure=_figure(rows), out_dir=out,
-                              extra={"peaks_gbps": peaks})  # fmt: skip
+                              extra={"peaks_gbps": peaks, "sizes": vars(sizes)})  # fmt: skip
         print("wrote", ", ".join(str(p) for p in paths))
     return rows, failures
 

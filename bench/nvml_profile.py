@@ -2,15 +2,26 @@
 
 Each provider runs in its own process (so NVML sees only its allocations) through the same
 sequence of steps (decode 256 requests, an 8192-token chunked prefill, speculative k=3):
-  vllm               int32 capture buffer + a per-step narrow snapshot (buffer[:n].to(dtype))
-                     copied to the host, as vLLM 0.33.0 does
-  r3capture-pinned   the same int32 buffer + the kernel's device metadata (slot table, block
-                     starts, rejected counts); rows go straight into a pinned host arena
-  r3capture-staging  as above + a device staging arena of the step's slots, copied once
+  vllm               vLLM's own buffers (the int32 capture buffer, the batch's positions and
+                     num_rejected) + a per-step narrow snapshot (buffer[:n].to(dtype)) copied
+                     to the host, as vLLM 0.33.0 does
+  r3capture-pinned   the same vLLM buffers + the worker's: one int32 buffer of per-step inputs
+                     (query_start_loc, table rows, the step's block windows, ring updates)
+                     filled by one copy, the persistent slot ring [max_num_seqs + 1, W] with
+                     its block windows [max_num_seqs + 1, 2], and step_info; one
+                     GatherPackLaunch built at start-up; rows go straight into the pinned
+                     host arena
+  r3capture-staging  as above + device staging [max_num_batched_tokens, L, K] in step-row
+                     order, copied back per step; the host places its rows with the ring
 and reports torch.cuda.max_memory_allocated / max_memory_reserved above the process's
 baseline and NVML's used-memory delta (per process where the driver reports it, else
-device-wide), as JSON. The capture buffer is counted for every provider: vLLM's capturer
-allocates it either way.
+device-wide), as JSON. vLLM's buffers are counted for every provider: vLLM allocates them
+either way.
+
+Every step is checked after it completes: step_info and every row that reached the host
+(arena, staging copy or vLLM's snapshot) must equal the capture buffer's rows, and nothing
+else of the arena or staging may change (it is poisoned before each step). ``Provider`` runs
+on a CPU device as well (Triton interpreter), which is how the tests exercise it.
 
     python -m bench.nvml_profile [--quick] [--out DIR]    (or: python -m bench.run nvml)
 
@@ -25,23 +36,248 @@ import json
 import os
 import subprocess
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
+import torch
+
 from bench.common import RESULTS_DIR, write_results
+from bench.kernel_bench import DEST_SENTINEL, ring_width
+from r3capture.kernels import GatherPackLaunch
 
 EXIT_NO_NVML = 3
 EXIT_NO_TORCH_CUDA = 4
 PROVIDERS = ("baseline", "vllm", "r3capture-pinned", "r3capture-staging")
 # name: (L, K, experts)
 MODELS = {"Qwen3-30B-A3B": (48, 8, 128), "Kimi-K2": (61, 8, 384)}
-MAX_TOKENS = 8192
-MAX_SEQS = 256
-HASH_BLOCK = 16
+
+
+@dataclass(frozen=True)
+class Limits:
+    max_tokens: int  # max_num_batched_tokens: capture rows
+    max_seqs: int  # max_num_seqs
+    block: int  # hash block size B
+
+    @property
+    def max_slots(self) -> int:
+        """Arena slots: vLLM's own bound on the blocks one step touches."""
+        return -(-self.max_tokens // self.block) + self.max_seqs
+
+
+PROFILE = Limits(max_tokens=8192, max_seqs=256, block=16)
+
+
+@dataclass(frozen=True)
+class ProfileStep:
+    rows: np.ndarray  # int64 [R], scheduled rows per request
+    starts: np.ndarray  # int64 [R], token position of each request's first row
+    rejected: np.ndarray  # int64 [R], rejected speculative rows at the end
+    speculative: bool
+
+
+def profile_steps(rng: np.random.Generator, limits: Limits) -> list[ProfileStep]:
+    """Decode (max_seqs requests), a chunked prefill of max_tokens rows in 4 chunks and
+    speculative k=3 (max_seqs requests of 4 rows), three times over."""
+    n, chunks = limits.max_seqs, 4
+    ones, zeros = np.ones(n, np.int64), np.zeros(n, np.int64)
+    decode = ProfileStep(ones, rng.integers(0, 30_000, n), zeros, False)
+    chunk = np.full(chunks, limits.max_tokens // chunks, np.int64)
+    prefill = ProfileStep(chunk, rng.integers(0, 16_000, chunks), np.zeros(chunks, np.int64), False)
+    spec = ProfileStep(np.full(n, 4, np.int64), rng.integers(0, 30_000, n),
+                       rng.integers(0, 4, n), True)  # fmt: skip
+    return [decode, prefill, spec] * 3
+
+
+@dataclass(frozen=True)
+class Plan:
+    """What the host derives for one step: one table row and a block window per request,
+    every block of a window mapped to a distinct arena slot."""
+
+    qsl: np.ndarray  # int64 [R+1]
+    positions: np.ndarray  # int64 [num_rows], token position of each row
+    table_row: np.ndarray  # int64 [R]
+    block_lo: np.ndarray  # int64 [R]
+    block_hi: np.ndarray  # int64 [R]
+    block_slots: np.ndarray  # int64 [U]: slots of blocks block_lo..=block_hi, request by request
+    ring_index: np.ndarray  # int64 [U]: flat ring entry (row * W + block % W) of each slot
+
+    @property
+    def num_rows(self) -> int:
+        return int(self.qsl[-1])
+
+
+def plan_step(step: ProfileStep, rng: np.random.Generator, limits: Limits) -> Plan:
+    rows, starts = step.rows, step.starts
+    num_reqs, block = len(rows), limits.block
+    qsl = np.concatenate([[0], np.cumsum(rows)])
+    positions = np.repeat(starts - qsl[:-1], rows) + np.arange(qsl[-1])
+    block_lo, block_hi = starts // block, (starts + rows - 1) // block
+    num_blocks = block_hi - block_lo + 1
+    width = ring_width(limits.max_tokens, block)
+    if num_blocks.sum() > limits.max_slots or (num_blocks > width).any():
+        raise ValueError(f"a step of {int(num_blocks.sum())} blocks does not fit {limits}")
+    table_row = rng.permutation(limits.max_seqs + 1)[:num_reqs]
+    block_slots = rng.permutation(limits.max_slots)[: int(num_blocks.sum())]
+    owner = np.repeat(np.arange(num_reqs), num_blocks)
+    first_of = np.cumsum(num_blocks) - num_blocks
+    blocks = block_lo[owner] + np.arange(len(owner)) - first_of[owner]
+    ring_index = table_row[owner] * width + blocks % width
+    return Plan(qsl, positions, table_row, block_lo, block_hi, block_slots, ring_index)
+
+
+def accepted_rows(step: ProfileStep, plan: Plan, block: int) -> tuple[np.ndarray, np.ndarray]:
+    """int64 ``(step row, arena row = slot * B + position % B)`` of every accepted row."""
+    accepted = step.rows - step.rejected
+    owner = np.repeat(np.arange(len(accepted)), accepted)
+    i = np.arange(len(owner)) - (np.cumsum(accepted) - accepted)[owner]
+    pos = step.starts[owner] + i
+    num_blocks = plan.block_hi - plan.block_lo + 1
+    first_of = np.cumsum(num_blocks) - num_blocks
+    slot = plan.block_slots[first_of[owner] + pos // block - plan.block_lo[owner]]
+    return plan.qsl[owner] + i, slot * block + pos % block
+
+
+def _poison(t: torch.Tensor, sentinel: int) -> None:
+    if t.dtype == torch.uint16:
+        t.view(torch.int16).fill_(sentinel - 2**16)  # the same bytes; fill_ needs no uint16 op
+    else:
+        t.fill_(sentinel)
+
+
+class Provider:
+    """One provider's buffers and per-step work on ``device`` (cuda; cpu in the tests)."""
+
+    def __init__(self, name: str, model: tuple[int, int, int], limits: Limits, device) -> None:
+        if name not in PROVIDERS:
+            raise ValueError(f"provider must be one of {PROVIDERS}; got {name!r}")
+        self.name, self.limits = name, limits
+        self.device = torch.device(device)
+        num_layers, top_k, num_experts = model
+        self.dtype = torch.uint8 if num_experts <= 256 else torch.uint16
+        self.np_dtype = np.dtype(np.uint8 if num_experts <= 256 else np.uint16)
+        self.sentinel = DEST_SENTINEL[self.dtype]
+        if name == "baseline":
+            return
+        pinned = self.device.type == "cuda"
+        L, K, B = num_layers, top_k, limits.block
+        # vLLM's: the router hooks' capture buffer, the batch's positions, num_rejected.
+        gen = torch.Generator().manual_seed(0)
+        capture = torch.randint(0, num_experts, (limits.max_tokens, L, K), generator=gen,
+                                dtype=torch.int32)  # fmt: skip
+        capture[capture == self.sentinel] -= 1  # so that a missing write always shows
+        self.expected_rows = capture.numpy().astype(self.np_dtype)  # host, for the checks
+        self.capture = capture.to(self.device)
+        self.positions = torch.zeros(limits.max_tokens, dtype=torch.int64, device=self.device)
+        self.num_rejected = torch.zeros(limits.max_seqs, dtype=torch.int32, device=self.device)
+        if name == "vllm":
+            self.snapshot_host: np.ndarray | None = None
+            return
+
+        # Per-step inputs, one int32 buffer: query_start_loc, table rows, the step's block
+        # windows (lo, hi per request), then the ring updates (flat index, slot).
+        self._stride = stride = limits.max_seqs + 1
+        max_updates = limits.max_slots
+        length = 4 * stride + 2 * max_updates
+        self.inputs_host = torch.zeros(length, dtype=torch.int32, pin_memory=pinned)
+        self.inputs = torch.zeros(length, dtype=torch.int32, device=self.device)
+        width = ring_width(limits.max_tokens, B)
+        self.ring = torch.full((stride, width), -1, dtype=torch.int32, device=self.device)
+        # Every row starts with the empty window: it may write no block.
+        self.window = torch.tensor([[0, -1]], dtype=torch.int32).repeat(stride, 1).to(self.device)
+        self.info = torch.zeros((limits.max_seqs, 3), dtype=torch.int32, device=self.device)
+        self.info_host = torch.zeros((limits.max_seqs, 3), dtype=torch.int32, pin_memory=pinned)
+        # The store's arena: pinned host memory the kernel writes (direct) or the host fills.
+        self.arena = torch.empty((limits.max_slots, B, L, K), dtype=self.dtype,
+                                 pin_memory=pinned)  # fmt: skip
+        dest = self.arena
+        if name == "r3capture-staging":
+            shape = (limits.max_tokens, L, K)
+            self.staging = dest = torch.empty(shape, dtype=self.dtype, device=self.device)
+            self.staging_host = torch.empty(shape, dtype=self.dtype, pin_memory=pinned)
+        self.launch = GatherPackLaunch(
+            self.capture, self.inputs[stride : 2 * stride], self.ring, self.window, dest,
+            self.info, hash_block=B, num_slots=limits.max_slots, impl="triton",
+        )  # fmt: skip
+
+    def run(self, step: ProfileStep, plan: Plan) -> None:
+        """Enqueue one step's device work and copies back; the caller synchronizes."""
+        if self.name == "baseline":
+            return
+        num_reqs, n = len(step.rows), plan.num_rows
+        # vLLM writes these itself every step.
+        self.positions[:n].copy_(torch.from_numpy(plan.positions))
+        self.num_rejected[:num_reqs].copy_(torch.from_numpy(step.rejected.astype(np.int32)))
+        if self.name == "vllm":
+            snapshot = self.capture[:n].to(self.dtype)
+            self.snapshot_host = snapshot.to("cpu", non_blocking=True).numpy()
+            return
+
+        _poison(self.arena, self.sentinel)
+        self.info.fill_(-99)
+        stride, num_updates = self._stride, len(plan.ring_index)
+        host = self.inputs_host.numpy()
+        host[: num_reqs + 1] = plan.qsl
+        host[stride : stride + num_reqs] = plan.table_row
+        windows = host[2 * stride : 2 * stride + 2 * num_reqs].reshape(num_reqs, 2)
+        windows[:] = np.stack([plan.block_lo, plan.block_hi], axis=1)
+        at = 4 * stride
+        host[at : at + num_updates] = plan.ring_index
+        host[at + num_updates : at + 2 * num_updates] = plan.block_slots
+        used = at + 2 * num_updates
+        self.inputs[:used].copy_(self.inputs_host[:used], non_blocking=True)
+        # The step's requests are all new here: each one's row of windows and ring is set.
+        table_row = self.inputs[stride : stride + num_reqs]
+        self.window.index_put_(
+            (table_row,), self.inputs[2 * stride : 2 * stride + 2 * num_reqs].view(num_reqs, 2)
+        )
+        self.ring.view(-1).index_put_(
+            (self.inputs[at : at + num_updates],), self.inputs[at + num_updates : used]
+        )
+        staging = self.name == "r3capture-staging"
+        if staging:
+            _poison(self.staging, self.sentinel)
+        rejected = self.num_rejected[:num_reqs] if step.speculative else None
+        self.launch(self.inputs[: num_reqs + 1], self.positions, rejected, num_reqs=num_reqs,
+                    num_rows=n)  # fmt: skip
+        self.info_host[:num_reqs].copy_(self.info[:num_reqs], non_blocking=True)
+        if staging:
+            self.staging_host[:n].copy_(self.staging[:n], non_blocking=True)
+
+    def check(self, step: ProfileStep, plan: Plan) -> str | None:
+        """None when the completed step left exactly the expected bytes on the host."""
+        if self.name == "baseline":
+            return None
+        n = plan.num_rows
+        if self.name == "vllm":
+            got = self.snapshot_host
+            if got.dtype != self.np_dtype or not np.array_equal(got, self.expected_rows[:n]):
+                return "vllm snapshot != capture rows"
+            return None
+
+        num_reqs = len(step.rows)
+        info = self.info_host[:num_reqs].numpy()
+        expected_info = np.stack([step.starts, step.rows - step.rejected, 0 * step.rows], axis=1)
+        if not np.array_equal(info, expected_info):
+            bad = np.flatnonzero((info != expected_info).any(axis=1))
+            return f"step_info of requests {bad[:8].tolist()}: {info[bad[:3]].tolist()}"
+        src, dst = accepted_rows(step, plan, self.limits.block)
+        arena = self.arena.view(-1, *self.arena.shape[2:]).numpy().view(self.np_dtype)
+        if self.name == "r3capture-staging":
+            staged = self.staging_host[:n].numpy().view(self.np_dtype)
+            expected = np.full_like(staged, self.sentinel)
+            expected[src] = self.expected_rows[src]
+            if not np.array_equal(staged, expected):
+                return "staging copy != accepted capture rows (poison elsewhere)"
+            arena[dst] = staged[src]  # the host places the rows, as the worker does
+        expected = np.full_like(arena, self.sentinel)
+        expected[dst] = self.expected_rows[src]
+        if not np.array_equal(arena, expected):
+            return "arena != accepted capture rows at their slots (poison elsewhere)"
+        return None
 
 
 def _nvml_handle(pynvml):
-    import torch
-
     try:
         uuid = str(torch.cuda.get_device_properties(torch.cuda.current_device()).uuid)
         return pynvml.nvmlDeviceGetHandleByUUID(uuid if uuid.startswith("GPU-") else f"GPU-{uuid}")
@@ -60,24 +296,8 @@ def _nvml_used(pynvml, handle) -> tuple[int, str]:
     return int(pynvml.nvmlDeviceGetMemoryInfo(handle).used), "device"
 
 
-def _steps(rng) -> list[tuple[list[int], list[int], list[int]]]:
-    """(rows, starts, rejected) per request, for each profiled step."""
-    decode = ([1] * MAX_SEQS, [int(x) for x in rng.integers(0, 30_000, MAX_SEQS)], [0] * MAX_SEQS)
-    prefill = ([MAX_TOKENS // 4] * 4, [int(x) for x in rng.integers(0, 16_000, 4)], [0] * 4)
-    spec = (
-        [4] * MAX_SEQS,
-        [int(x) for x in rng.integers(0, 30_000, MAX_SEQS)],
-        [int(x) for x in rng.integers(0, 4, MAX_SEQS)],
-    )
-    return [decode, prefill, spec] * 3
-
-
 def child(provider: str, model: str) -> dict:
-    import numpy as np
     import pynvml
-    import torch
-
-    from r3capture.kernels import gather_pack
 
     pynvml.nvmlInit()
     torch.zeros(1, device="cuda")  # create the context before the baseline
@@ -88,71 +308,23 @@ def child(provider: str, model: str) -> dict:
     reserved0 = torch.cuda.memory_reserved()
     torch.cuda.reset_peak_memory_stats()
 
-    num_layers, top_k, num_experts = MODELS[model]
-    dtype = torch.uint8 if num_experts <= 256 else torch.uint16
-    row_bytes = num_layers * top_k * dtype.itemsize
-    max_cols = MAX_TOKENS // HASH_BLOCK + 2
-    max_slots = MAX_TOKENS // HASH_BLOCK + MAX_SEQS  # vLLM's own per-step block bound
-    if provider != "baseline":
-        buffer = torch.randint(
-            0, num_experts, (MAX_TOKENS, num_layers, top_k), dtype=torch.int32, device="cuda"
-        )
-    if provider.startswith("r3capture"):
-        qsl = torch.zeros(MAX_SEQS + 1, dtype=torch.int32, device="cuda")
-        start = torch.zeros(MAX_SEQS, dtype=torch.int32, device="cuda")
-        first = torch.zeros(MAX_SEQS, dtype=torch.int32, device="cuda")
-        rejected = torch.zeros(MAX_SEQS, dtype=torch.int32, device="cuda")
-        table = torch.full((MAX_SEQS, max_cols), -1, dtype=torch.int32, device="cuda")
-        host_arena = torch.empty(
-            (max_slots, HASH_BLOCK, num_layers, top_k), dtype=dtype, pin_memory=True
-        )
-        host_info = torch.empty((MAX_SEQS, 3), dtype=torch.int32, pin_memory=True)
-        if provider == "r3capture-staging":
-            dest = torch.empty(host_arena.shape, dtype=dtype, device="cuda")
-            info = torch.empty((MAX_SEQS, 3), dtype=torch.int32, device="cuda")
-        else:
-            dest, info = host_arena, host_info
-
-    for rows, starts, rej in _steps(np.random.default_rng(0)):
-        n, num_reqs = sum(rows), len(rows)
-        if provider == "vllm":
-            snapshot = buffer[:n].to(dtype)
-            host = snapshot.to("cpu", non_blocking=True)
-            torch.cuda.synchronize()
-            del snapshot, host
-        elif provider.startswith("r3capture"):
-            qsl_host = np.concatenate([[0], np.cumsum(rows)])
-            table_host = np.full((num_reqs, max_cols), -1, dtype=np.int32)
-            firsts, slot = [], 0
-            for r, (count, s) in enumerate(zip(rows, starts)):
-                lo, hi = s // HASH_BLOCK, (s + count - 1) // HASH_BLOCK
-                firsts.append(lo)
-                table_host[r, : hi - lo + 1] = np.arange(slot, slot + hi - lo + 1)
-                slot += hi - lo + 1
-            qsl[: num_reqs + 1].copy_(torch.from_numpy(qsl_host.astype(np.int32)))
-            start[:num_reqs].copy_(torch.tensor(starts, dtype=torch.int32))
-            first[:num_reqs].copy_(torch.tensor(firsts, dtype=torch.int32))
-            rejected[:num_reqs].copy_(torch.tensor(rej, dtype=torch.int32))
-            table[:num_reqs].copy_(torch.from_numpy(table_host))
-            gather_pack(
-                buffer, qsl, start, first, table, dest, info, rejected,
-                num_reqs=num_reqs, num_rows=n,
-            )  # fmt: skip
-            if provider == "r3capture-staging":
-                host_arena[:slot].copy_(dest[:slot], non_blocking=True)
-                host_info[:num_reqs].copy_(info[:num_reqs], non_blocking=True)
-            torch.cuda.synchronize()
-            if int(host_info[:num_reqs, 2].max()) != 0:
-                raise RuntimeError(
-                    f"gather_pack reported a failing request: {host_info[:num_reqs]}"
-                )
+    state = Provider(provider, MODELS[model], PROFILE, "cuda")
+    rng = np.random.default_rng(0)
+    for i, step in enumerate(profile_steps(rng, PROFILE)):
+        plan = plan_step(step, rng, PROFILE)
+        state.run(step, plan)
+        torch.cuda.synchronize()
+        problem = state.check(step, plan)
+        if problem is not None:
+            raise RuntimeError(f"{provider} {model} step {i}: {problem}")
     torch.cuda.synchronize()
     nvml1, _ = _nvml_used(pynvml, handle)
+    num_layers, top_k, _ = MODELS[model]
     return {
         "provider": provider,
         "model": model,
-        "dtype": str(dtype).removeprefix("torch."),
-        "row_bytes": row_bytes,
+        "dtype": str(state.dtype).removeprefix("torch."),
+        "row_bytes": num_layers * top_k * state.dtype.itemsize,
         "torch_peak_allocated_bytes": torch.cuda.max_memory_allocated() - torch0,
         "torch_peak_reserved_bytes": torch.cuda.max_memory_reserved() - reserved0,
         "nvml_used_delta_bytes": nvml1 - nvml0,
@@ -178,8 +350,6 @@ def main(argv: list[str] | None = None) -> int:
     except pynvml.NVMLError as exc:
         print(f"nvml_profile: no NVIDIA driver here ({type(exc).__name__}); nothing to measure")
         return EXIT_NO_NVML
-    import torch
-
     if not torch.cuda.is_available():
         print("nvml_profile: NVML works but torch sees no CUDA device; nothing to measure")
         return EXIT_NO_TORCH_CUDA
@@ -210,9 +380,10 @@ def main(argv: list[str] | None = None) -> int:
     extra = {
         "driver": driver,
         "cuda": torch.version.cuda,
-        "max_num_batched_tokens": MAX_TOKENS,
-        "max_num_seqs": MAX_SEQS,
-        "hash_block": HASH_BLOCK,
+        "max_num_batched_tokens": PROFILE.max_tokens,
+        "max_num_seqs": PROFILE.max_seqs,
+        "hash_block": PROFILE.block,
+        "ring_width": ring_width(PROFILE.max_tokens, PROFILE.block),
         "memory": rows,  # one entry per (model, provider); not timings, so not Result rows
     }
     paths = write_results("nvml_profile", [], extra=extra, out_dir=args.out)

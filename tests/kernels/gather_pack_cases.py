@@ -15,8 +15,14 @@ from dataclasses import dataclass, field
 
 import torch
 
+from r3capture.kernels import GatherPackLaunch
+
 DEST_SENTINEL = {torch.uint8: 0xA5, torch.uint16: 0xA5A5}
 INFO_SENTINEL = -99
+# What a new step changes: every input the kernel reads. A graph replays a step only through
+# these tensors (and the outputs), so each must be rewritten in place.
+STEP_INPUTS = ("capture", "query_start_loc", "positions", "table_row", "slot_table",
+               "block_window", "num_rejected")  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -60,6 +66,7 @@ class Case:
     ring_width: int | None = None  # W; None = the widest window + 1
     extra_table_rows: int = 2  # table rows no request uses
     spare_slots: int = 3  # slots no request maps: must stay poisoned
+    arena_slots: int | None = None  # S; None = the slots the windows map + spare_slots
     pad_reqs: int = 0  # extra (CUDA-graph padding) entries past num_reqs in every input
     num_rows: int | None = None  # num_rows bound; None = capture rows
     extra_capture_rows: int = 5
@@ -112,7 +119,9 @@ def build(case: Case, seed: int = 0, device: str | torch.device = "cpu") -> dict
     num_table_rows = num_reqs + case.extra_table_rows
     table_rows = list(range(num_table_rows))
     rng.shuffle(table_rows)
-    num_slots = sum(min(hi - lo + 1, width) for lo, hi in windows) + case.spare_slots
+    mapped = sum(min(hi - lo + 1, width) for lo, hi in windows)
+    num_slots = case.arena_slots if case.arena_slots is not None else mapped + case.spare_slots
+    assert num_slots >= mapped, f"{case.id}: {mapped} mapped blocks, {num_slots} slots"
     order = list(range(num_slots))
     rng.shuffle(order)
     table = torch.full((num_table_rows, width), -1, dtype=torch.int64)
@@ -204,7 +213,13 @@ def _to(value, device):
 
 
 def clone_args(args: dict) -> dict:
-    return {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in args.items()}
+    """A copy of every tensor argument; pinned host tensors stay pinned (``clone`` alone
+    returns pageable memory, which a CUDA kernel cannot be given as ``dest``)."""
+    return {k: _clone(v) if isinstance(v, torch.Tensor) else v for k, v in args.items()}
+
+
+def _clone(t: torch.Tensor) -> torch.Tensor:
+    return t.clone().pin_memory() if t.device.type == "cpu" and t.is_pinned() else t.clone()
 
 
 def _decode(n: int, rng: random.Random, block: int) -> list[Req]:
@@ -270,6 +285,57 @@ def special_cases() -> list[Case]:
         Case("rows-layout-padded", QWEN3_30B, 16, [Req(2, 9), Req(1, 40)], rows_layout=True,
              pad_reqs=3, num_rows=40),
     ]  # fmt: skip
+
+
+def graph_script(rows_layout: bool = False) -> list[tuple[Case, int]]:
+    """``(case, seed)`` of the step a CUDA graph captures, then of each step it replays: the
+    same request count, row bound, ring and arena shapes, and everything else different (rows
+    per request, starts, rejections, hence query_start_loc, positions, table rows, windows,
+    ring contents and capture rows)."""
+    steps = [
+        [Req(1, 17), Req(40, 45), Req(4, 99, 2)],
+        [Req(30, 3), Req(1, 250), Req(4, 31, 3)],
+        # A request with no rows, and a window that wraps around the ring (columns 7..11 % 8).
+        [Req(0, 5), Req(50, 16 * 7 + 15, 1), Req(2, 1000)],
+    ]
+    cases = [
+        Case(f"graph-step{i}", QWEN3_30B, 16, reqs, rows_layout=rows_layout, ring_width=8,
+             arena_slots=40, pad_reqs=2, num_rows=64)
+        for i, reqs in enumerate(steps)
+    ]  # fmt: skip
+    # The captured step comes back last with new contents (another seed).
+    return [(cases[0], 1), (cases[1], 2), (cases[2], 3), (cases[0], 4)]
+
+
+def load_step(static: dict, fresh: dict) -> set[str]:
+    """Write a step's arguments into the tensors a graph captured (``static``): same shapes,
+    same host-side values (those are baked into the graph), new contents. Returns the names
+    of the tensors whose contents changed."""
+    assert static.keys() == fresh.keys()
+    changed = set()
+    for name, value in fresh.items():
+        if isinstance(value, torch.Tensor):
+            assert static[name].shape == value.shape and static[name].dtype == value.dtype, name
+            if not torch.equal(static[name], value.to(static[name].device)):
+                changed.add(name)
+            static[name].copy_(value)
+        else:
+            assert static[name] == value, f"{name}: captured {static[name]}, step has {value}"
+    return changed
+
+
+def prepared_launch(args: dict, impl: str = "auto") -> Callable[[], None]:
+    """The worker's path for ``gather_pack`` keyword arguments: a ``GatherPackLaunch`` over
+    the static ones, and a call that passes the per-step ones (read from ``args`` now, so
+    tensors replaced in ``args`` later are not seen)."""
+    launch = GatherPackLaunch(
+        args["capture"], args["table_row"], args["slot_table"], args["block_window"],
+        args["dest"], args["step_info"], hash_block=args.get("hash_block"),
+        num_slots=args.get("num_slots"), impl=impl,
+    )  # fmt: skip
+    qsl, positions, rejected = args["query_start_loc"], args["positions"], args["num_rejected"]
+    num_reqs, num_rows = args["num_reqs"], args["num_rows"]
+    return lambda: launch(qsl, positions, rejected, num_reqs=num_reqs, num_rows=num_rows)
 
 
 def set_input(name: str, index, value) -> Callable[[dict], None]:

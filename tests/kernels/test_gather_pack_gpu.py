@@ -2,7 +2,8 @@
 
 Same scenarios as test_gather_pack.py, on CUDA tensors; plus the properties only a GPU can
 show: direct stores into pinned host memory, no host synchronization, no allocation, and a
-launch that can be captured into and replayed from a CUDA graph.
+launch that can be captured into and replayed from a CUDA graph; the last two both through
+``gather_pack`` and through the worker's ``GatherPackLaunch`` built once.
 """
 
 from __future__ import annotations
@@ -11,12 +12,16 @@ import pytest
 import torch
 from gather_pack_cases import (
     QWEN3_30B,
+    STEP_INPUTS,
     Case,
     Req,
     assert_same_bytes,
     build,
     clone_args,
     error_cases,
+    graph_script,
+    load_step,
+    prepared_launch,
     special_cases,
     standard_cases,
 )
@@ -78,42 +83,56 @@ def _mixed_step() -> Case:
     return Case("graph", QWEN3_30B, 16, reqs)
 
 
+def _packer(args: dict, via: str):
+    """gather_pack over ``args``: one-shot, or the worker's GatherPackLaunch built once."""
+    if via == "prepared":
+        return prepared_launch(args)
+    return lambda: gather_pack(**args)
+
+
+@pytest.mark.parametrize("via", ["one-shot", "prepared"])
 @pytest.mark.parametrize("dest_place", ["device", "pinned"])
-def test_no_sync_and_no_allocation(dest_place: str) -> None:
+def test_no_sync_and_no_allocation(dest_place: str, via: str) -> None:
     args = _on_gpu(build(_mixed_step())["args"], dest_place)
     gather_pack(**clone_args(args))  # compile outside the measured call
+    pack = _packer(args, via)
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
     before = torch.cuda.memory_allocated()
     torch.cuda.set_sync_debug_mode("error")
     try:
-        gather_pack(**args)
+        pack()
     finally:
         torch.cuda.set_sync_debug_mode("default")
     torch.cuda.synchronize()
     assert torch.cuda.max_memory_allocated() == before == torch.cuda.memory_allocated()
 
 
+@pytest.mark.parametrize("via", ["one-shot", "prepared"])
+@pytest.mark.parametrize("rows_layout", [False, True], ids=["slots", "rows"])
 @pytest.mark.parametrize("dest_place", ["device", "pinned"])
-def test_cuda_graph_capture_and_replay(dest_place: str) -> None:
-    case = _mixed_step()
-    args = _on_gpu(build(case, seed=1)["args"], dest_place)
+def test_cuda_graph_capture_and_replay(dest_place: str, rows_layout: bool, via: str) -> None:
+    # The same script as test_graph_script.py runs on the CPU, without the graph.
+    (case, seed), *replays = graph_script(rows_layout)
+    args = _on_gpu(build(case, seed=seed)["args"], dest_place)
     gather_pack(**clone_args(args))  # compile before capture
+    pack = _packer(args, via)
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        gather_pack(**args)
-    for seed in (2, 3):
-        # New step contents written into the captured (static) tensors, then a replay.
+        pack()
+    for case, seed in replays:
+        # Every input of a new step (capture, query_start_loc, positions, table rows, the
+        # ring and its block windows, num_rejected) and freshly poisoned outputs written into
+        # the captured tensors, then a replay.
         fresh = build(case, seed=seed)
-        for name in ("capture", "num_rejected", "slot_table"):
-            args[name].copy_(fresh["args"][name])
-        args["dest"].copy_(fresh["args"]["dest"])
-        args["step_info"].copy_(fresh["args"]["step_info"])
+        changed = load_step(args, fresh["args"])
+        assert set(STEP_INPUTS) <= changed, f"{case.id}: {set(STEP_INPUTS) - changed}"
         graph.replay()
         torch.cuda.synchronize()
-        assert_same_bytes(f"replay {seed} dest", args["dest"], fresh["expected_dest"])
-        assert_same_bytes(f"replay {seed} step_info", args["step_info"], fresh["expected_info"])
+        assert_same_bytes(f"replay {case.id} dest", args["dest"], fresh["expected_dest"])
+        assert_same_bytes(f"replay {case.id} step_info", args["step_info"],
+                          fresh["expected_info"])  # fmt: skip
 
 
 def test_pageable_host_dest_is_rejected() -> None:
