@@ -45,6 +45,7 @@ import numpy as np
 
 from bench.common import RESULTS_DIR, Result, make_result, write_results
 from bench.host_step_families import FAMILIES, QUICK_FAMILIES
+from bench.host_step_replay import CALLS
 
 ROOT = Path(__file__).resolve().parent.parent
 CACHE = Path(__file__).resolve().parent / ".cache" / "host_step"
@@ -148,6 +149,7 @@ def _summaries(
     processed[[step for step, _ in meta["digests"]]] = True
     kind_names = list(dict.fromkeys(meta["kinds"]))
     per_provider = {}
+    per_call = {}
     for provider, replays in runs.items():
         steps = [_per_step(trace) for trace in replays]
         per_provider[provider] = {
@@ -156,6 +158,13 @@ def _summaries(
                 np.stack([s[metric].sum(axis=0) for s in steps]) / 1e6,
             )
             for metric in METRICS
+        }
+        # The main thread's calls one by one: begin_step on every step, the other two on
+        # the steps with a forward (every one of which is processed).
+        calls = np.median(np.stack([t["calls"].astype(np.float64) for t in replays]), axis=0)
+        per_call[provider] = {
+            name: _stats(calls[i][processed if i else np.ones(len(kinds), bool)])
+            for i, name in enumerate(CALLS[:3])
         }
     rows: list[Result] = []
     pairs: dict[str, tuple[Result, Result]] = {}
@@ -194,6 +203,8 @@ def _summaries(
                 identical=identical,
                 kinds=kind_stats,
             )
+            if metric == "main":
+                row.params["calls"] = per_call[provider]
             pair.append(row)
         theirs, ours = pair
         if identical and metric != "background":
@@ -203,6 +214,8 @@ def _summaries(
             for kind, stats in ours.params["kinds"].items():
                 if kind in theirs.params["kinds"]:
                     _add_ratios(stats, theirs.params["kinds"][kind])
+            for name, stats in ours.params.get("calls", {}).items():
+                _add_ratios(stats, theirs.params["calls"][name])
         rows.extend(pair)
         pairs[metric] = (theirs, ours)
     return rows, pairs

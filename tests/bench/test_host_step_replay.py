@@ -171,6 +171,7 @@ def test_no_ratio_when_outputs_differ():
     assert identical and ours.params["cpu_ratio_p50"] == pytest.approx(3.0)
     assert ours.params["kinds"]["decode"]["cpu_ratio_p90"] == pytest.approx(3.0)
     assert ours.params["cpu_total_ms"] == pytest.approx(3 * steps * 1000 / 1e6)
+    assert ours.params["calls"]["prepare_output"]["cpu_ratio_total"] == pytest.approx(3.0)
     runs["r3capture"] = [run(good, 1), run(bad, 1), run(good, 1)]
     identical, reason = _same_outputs(meta, runs)
     assert not identical and "step 2" in reason
