@@ -1,241 +1,484 @@
-"""Host time per step: r3capture's worker connector vs vLLM 0.33.0's, on the same traces.
+"""Host time per engine step, by thread: vLLM 0.33.0's worker connector vs r3capture's.
 
-Both connectors replay the same pre-built steps (``bench/step_traces.py``) in one process,
-interleaved step by step. Timed: ``begin_step`` + ``process_output`` (the host work the
-design targets), and separately ``prepare_output`` + ``enqueue_cpu_copy``. Every step's
-outputs are compared byte for byte first; a preset whose outputs differ gets no ratio.
+Every host microsecond a connector spends, per step, on the thread it runs on:
 
-On a CPU machine ``prepare_output`` includes the gather kernel's work (the torch reference
-stands in for the GPU), so it is reported but not part of the headline ratio. Bytes per step
-that cross to the host: vLLM copies every scheduled row; r3capture only accepted rows.
+* main thread: ``begin_step`` + ``prepare_output`` + ``enqueue_cpu_copy`` (in Model Runner V2
+  they run on the thread that launches the next forward: the critical path);
+* output thread: ``process_output``;
+* background threads: CPU time of threads the connector started (vLLM's store writer,
+  ``vllm-aux-output-writer``), counted on the output side;
+* all host work: the three together.
 
-    python -m bench.run host_step [--quick]
+Method (details in ``bench/host_step_replay.py`` and ``bench/stand_ins.py``):
+
+1. Each trace family (``bench/host_step_families.py``) runs once through the simulator with
+   vLLM's scheduler and worker connectors; every worker call is recorded in order
+   (``sim/recording.py``) and cached under ``bench/.cache/host_step/``.
+2. Each connector replays the recordings in its own fresh process (one process per
+   connector, model and depth replays every family, a fresh connector per trace),
+   processes alternating vLLM, r3capture, vLLM, ... for ``--repeats`` rounds. This process
+   only orchestrates and aggregates.
+3. GPU work is replaced by the same launch stand-in on both sides; outputs are digested per
+   step; a trace whose digests differ between connectors (or from the simulator's) gets no
+   ratio.
+4. Per step and metric, the median over the repeats; then p50/p20/p80/p90 over the trace's
+   steps and whole-trace totals, for all steps and per step kind. Both clocks are kept;
+   the headline is thread CPU time (see ``bench/RESULTS.md``).
+
+    python -m bench.run host_step [--quick] [--repeats N] [--families A,B] [--models A,B]
 """
 
 from __future__ import annotations
 
 import argparse
-import gc
+import json
+import os
+import pickle
+import subprocess
+import sys
+import tempfile
 import time
+from pathlib import Path
+from typing import Any
 
 import numpy as np
 
-from bench.common import Result, make_result, write_results
-from bench.models import KIMI_K2, QWEN3_30B_A3B, ModelShape
-from bench.step_traces import PRESETS, build_trace
-from sim.workers import WorkerSizing, make_r3capture_worker, make_vllm_worker
+from bench.common import RESULTS_DIR, Result, make_result, write_results
+from bench.host_step_families import FAMILIES, QUICK_FAMILIES
+from bench.host_step_replay import CALLS
 
-BLOCK_SIZE = 16
+ROOT = Path(__file__).resolve().parent.parent
+CACHE = Path(__file__).resolve().parent / ".cache" / "host_step"
+VLLM, OURS = PROVIDERS = ("vllm-0.33.0", "r3capture")
+MODELS = ("Qwen3-30B-A3B", "Kimi-K2")
+DEPTHS = (2, 1)
+METRICS = ("main", "process", "background", "output", "all")
+KIND_METRICS = ("main", "output", "all")  # per-kind statistics for these
+# Index of the headline clock in (wall, cpu) pairs, and its name.
+HEADLINE, HEADLINE_NAME = 1, "thread CPU"
 
 
-def _sizes(shape: ModelShape, max_tokens: int, max_seqs: int, steps) -> WorkerSizing:
-    row_bytes = shape.num_layers * shape.top_k * shape.np_dtype.itemsize
-    total_rows = sum(step.num_rows for step in steps)
-    # Room for every block of the trace: eviction is not what this benchmark measures.
-    max_bytes = (total_rows // BLOCK_SIZE + 64) * BLOCK_SIZE * row_bytes * 2
-    return WorkerSizing.for_model(
-        num_layers=shape.num_layers,
-        top_k=shape.top_k,
-        num_experts=shape.num_experts,
-        hash_block_size=BLOCK_SIZE,
-        max_num_seqs=max_seqs,
-        max_num_batched_tokens=max_tokens,
-        max_concurrent_batches=1,
-        max_bytes=max_bytes,
+def _child(args: list[str]) -> str:
+    """Run ``python -m bench.host_step_replay ARGS`` from the repository root; its stdout."""
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH")) if p)
+    proc = subprocess.run(
+        [sys.executable, "-m", "bench.host_step_replay", *args],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
     )
+    for line in proc.stderr.splitlines():
+        if line.startswith("  "):
+            print(line, flush=True)
+    if proc.returncode != 0:
+        sys.stderr.write(proc.stderr)
+        raise RuntimeError(f"child process failed ({proc.returncode}): {' '.join(args[:6])}")
+    return proc.stdout
 
 
-def _same(a: dict, b: dict) -> bool:
-    if a.keys() != b.keys():
-        return False
-    for key, out in a.items():
-        other = b[key]
-        if out.token_start != other.token_start:
-            return False
-        x, y = np.asarray(out.rows), np.asarray(other.rows)
-        if x.dtype != y.dtype or x.shape != y.shape or x.tobytes() != y.tobytes():
-            return False
-    return True
+# ---------------------------------------------------------------------------- aggregation
 
 
-def _drain_writer(handle) -> None:
-    """Wait for vLLM's background store writer (its store work happens off the step)."""
-    queue = getattr(getattr(handle.worker, "_store", None), "_queue", None)
-    if queue is not None:
-        queue.join()
+def _per_step(trace: dict[str, Any]) -> dict[str, np.ndarray]:
+    """Per-step (wall, cpu) ns of every metric for one replay: float ``[steps, 2]``."""
+    calls = trace["calls"].astype(np.float64)
+    background = trace["background"].astype(np.float64)
+    main = calls[0] + calls[1] + calls[2]
+    process = calls[3]
+    # A background thread's CPU time is its only clock: it stands for wall time too.
+    bg = np.stack([background, background], axis=1)
+    output = process + bg
+    return {"main": main, "process": process, "background": bg, "output": output,
+            "all": main + output}  # fmt: skip
 
 
-def _run_step(handle, step, torch_rows):
-    """Returns outputs, (wall ns, thread CPU ns) of begin+process, wall ns of prepare, and
-    wall ns of begin+process+writer drain."""
-    wall, cpu = time.perf_counter_ns, time.thread_time_ns
-    w0, c0 = wall(), cpu()
-    handle.begin_step(step.metadata)
-    w1, c1 = wall(), cpu()
-    if step.num_rows:
-        handle.capture_buffer[: step.num_rows].copy_(torch_rows)
-    w2 = wall()
-    pending = handle.prepare_output(step.input_batch(), step.num_rejected)
-    pending.enqueue_cpu_copy(step.num_sampled, step.num_rejected)
-    w3, c3 = wall(), cpu()
-    outputs = pending.process_output()
-    w4, c4 = wall(), cpu()
-    _drain_writer(handle)
-    w5 = wall()
-    host = ((w1 - w0) + (w4 - w3), (c1 - c0) + (c4 - c3))
-    return outputs, host, w3 - w2, (w1 - w0) + (w5 - w3)
+def _same_outputs(meta: dict, runs: dict[str, list[dict]]) -> tuple[bool, str]:
+    expected = [tuple(d) for d in meta["digests"]]
+    for provider, replays in runs.items():
+        for index, trace in enumerate(replays):
+            if trace["error"] is not None:
+                return False, f"{provider} run {index}: error {trace['error']}"
+            if [tuple(d) for d in trace["digests"]] != expected:
+                got = [tuple(d) for d in trace["digests"]]
+                first = next(
+                    (i for i, (a, b) in enumerate(zip(got, expected)) if a != b),
+                    min(len(got), len(expected)),
+                )
+                step = expected[first][0] if first < len(expected) else "end"
+                return False, f"{provider} run {index}: outputs differ from step {step}"
+    return True, ""
 
 
-def bench_preset(shape: ModelShape, preset: str, seed: int = 0, repeats: int = 3) -> list[Result]:
-    """Replay the preset's trace ``repeats`` times (fresh connectors each time) and pool the
-    timed steps: presets with few steps (prefill) get enough samples for a stable median."""
-    import torch
+def _ratio(theirs: float, ours: float) -> float | None:
+    return theirs / ours if ours > 0 and theirs > 0 else None
 
-    steps, max_tokens, max_seqs = build_trace(preset, shape, block_size=BLOCK_SIZE, seed=seed)
-    sizes = _sizes(shape, max_tokens, max_seqs, steps)
-    names = ("vllm-0.33.0", "r3capture")
-    host = {name: [] for name in names}
-    prepare = {name: [] for name in names}
-    drained = {name: [] for name in names}
-    identical = True
-    row_bytes = shape.num_layers * shape.top_k * shape.np_dtype.itemsize
-    vllm_bytes, our_bytes = [], []
-    gc_was_enabled = gc.isenabled()
-    gc.disable()
-    try:
-        for _ in range(repeats):
-            handles = {
-                "vllm-0.33.0": make_vllm_worker(sizes),
-                "r3capture": make_r3capture_worker(sizes, kernel_impl="reference"),
-            }
-            try:
-                for index, step in enumerate(steps):
-                    torch_rows = torch.from_numpy(step.rows)
-                    order = list(handles) if index % 2 == 0 else list(reversed(handles))
-                    results = {}
-                    for name in order:
-                        outputs, host_ns, prep_ns, drained_ns = _run_step(
-                            handles[name], step, torch_rows
-                        )
-                        results[name] = outputs
-                        if step.timed:
-                            host[name].append(host_ns)
-                            prepare[name].append(prep_ns)
-                            drained[name].append(drained_ns)
-                    identical &= _same(results["vllm-0.33.0"], results["r3capture"])
-                    if step.timed:
-                        vllm_bytes.append(step.num_rows * row_bytes)
-                        our_bytes.append(step.accepted_rows * row_bytes)
-                    gc.collect(0)
-            finally:
-                for handle in handles.values():
-                    handle.close()
-    finally:
-        if gc_was_enabled:
-            gc.enable()
 
-    rows = []
-    for name in names:
-        samples = np.asarray(host[name], dtype=np.int64)
-        rows.append(
-            make_result(
-                "host_step",
-                f"begin_step+process_output/{preset}",
-                [shape.num_layers, shape.top_k],
-                shape.np_dtype.name,
-                name,
-                samples,
-                preset=preset,
-                model=shape.name,
-                p90=float(np.percentile(samples[:, 0], 90)) / 1e3,
-                with_writer_drain_p50=float(np.median(drained[name])) / 1e3,
-                prepare_p50=float(np.median(prepare[name])) / 1e3,
-                steps=len(samples),
-                bytes_to_host_per_step=float(
-                    np.mean(vllm_bytes if name.startswith("vllm") else our_bytes)
-                ),
-                outputs_identical=bool(identical),
+def _stats(values: np.ndarray) -> dict[str, float]:
+    """p50/p90/total of per-step (wall, cpu) ns values ``[n, 2]``, in us and ms."""
+    p50 = np.median(values, axis=0) / 1e3
+    p90 = np.percentile(values, 90, axis=0) / 1e3
+    total = values.sum(axis=0) / 1e6
+    return {"p50": round(float(p50[0]), 2), "p90": round(float(p90[0]), 2),
+            "total_ms": round(float(total[0]), 4), "cpu_p50": round(float(p50[1]), 2),
+            "cpu_p90": round(float(p90[1]), 2),
+            "cpu_total_ms": round(float(total[1]), 4)}  # fmt: skip
+
+
+def _add_ratios(ours: dict[str, Any], theirs: dict[str, Any]) -> None:
+    """``ratio_p50``... ``cpu_ratio_total`` = vLLM / r3capture, into ``ours``."""
+    for clock in ("", "cpu_"):
+        for stat in ("p50", "p90", "total_ms"):
+            name = f"{clock}ratio_{stat.removesuffix('_ms')}"
+            ratio = _ratio(theirs[clock + stat], ours[clock + stat])
+            ours[name] = None if ratio is None else round(ratio, 4)
+
+
+def _summaries(
+    meta: dict, runs: dict[str, list[dict]], identical: bool
+) -> tuple[list[Result], dict[str, tuple[Result, Result]]]:
+    """One Result row per (provider, metric) of one trace, with per-kind statistics in
+    ``params["kinds"]``, and ``{metric: (vLLM row, r3capture row)}``.
+
+    Per step, the median over the repeats. p50/p20/p80/p90 are over the trace's steps (for
+    ``process``/``output``: the steps with a ``process_output``); totals over all steps.
+    """
+    kinds = np.array(meta["kinds"])
+    processed = np.zeros(len(kinds), bool)
+    processed[[step for step, _ in meta["digests"]]] = True
+    kind_names = list(dict.fromkeys(meta["kinds"]))
+    per_provider = {}
+    per_call = {}
+    for provider, replays in runs.items():
+        steps = [_per_step(trace) for trace in replays]
+        per_provider[provider] = {
+            metric: (
+                np.median(np.stack([s[metric] for s in steps]), axis=0),
+                np.stack([s[metric].sum(axis=0) for s in steps]) / 1e6,
             )
-        )
-    theirs, ours = rows
-    if identical:
-        ours.params["ratio_p50"] = theirs.p50 / ours.p50
-        ours.params["ratio_cpu_p50"] = theirs.params["cpu_p50"] / ours.params["cpu_p50"]
-        ours.params["ratio_p90"] = theirs.params["p90"] / ours.params["p90"]
-        ours.params["ratio_with_writer_p50"] = (
-            theirs.params["with_writer_drain_p50"] / ours.params["with_writer_drain_p50"]
-        )
-    return rows
+            for metric in METRICS
+        }
+        # The main thread's calls one by one: begin_step on every step, the other two on
+        # the steps with a forward (every one of which is processed).
+        calls = np.median(np.stack([t["calls"].astype(np.float64) for t in replays]), axis=0)
+        per_call[provider] = {
+            name: _stats(calls[i][processed if i else np.ones(len(kinds), bool)])
+            for i, name in enumerate(CALLS[:3])
+        }
+    rows: list[Result] = []
+    pairs: dict[str, tuple[Result, Result]] = {}
+    for metric in METRICS:
+        sampled = processed if metric in ("process", "output") else np.ones(len(kinds), bool)
+        pair = []
+        for provider in PROVIDERS:
+            per_step, repeat_totals = per_provider[provider][metric]
+            values = per_step[sampled]
+            kind_stats = {}
+            for kind in kind_names if metric in KIND_METRICS else ():
+                mask = (kinds == kind) & sampled
+                if mask.any():
+                    kind_stats[kind] = {"steps": int(mask.sum()), **_stats(per_step[mask])}
+            whole = _stats(per_step)
+            row = make_result(
+                "host_step",
+                metric,
+                meta["shape"],
+                meta["dtype"],
+                provider,
+                values,
+                family=meta["family"],
+                model=meta["model"],
+                depth=meta["depth"],
+                metric=metric,
+                steps=int(sampled.sum()),
+                trace_steps=len(kinds),
+                repeats=len(replays),
+                p90=round(float(np.percentile(values[:, 0], 90)) / 1e3, 2),
+                cpu_p90=round(float(np.percentile(values[:, 1], 90)) / 1e3, 2),
+                total_ms=whole["total_ms"],
+                cpu_total_ms=whole["cpu_total_ms"],
+                total_ms_repeats=[round(float(t), 3) for t in repeat_totals[:, 0]],
+                cpu_total_ms_repeats=[round(float(t), 3) for t in repeat_totals[:, 1]],
+                identical=identical,
+                kinds=kind_stats,
+            )
+            if metric == "main":
+                row.params["calls"] = per_call[provider]
+            pair.append(row)
+        theirs, ours = pair
+        if identical and metric != "background":
+            top = {"p50": ours.p50, **ours.params}
+            _add_ratios(top, {"p50": theirs.p50, **theirs.params})
+            ours.params.update({k: v for k, v in top.items() if "ratio_" in k})
+            for kind, stats in ours.params["kinds"].items():
+                if kind in theirs.params["kinds"]:
+                    _add_ratios(stats, theirs.params["kinds"][kind])
+            for name, stats in ours.params.get("calls", {}).items():
+                _add_ratios(stats, theirs.params["calls"][name])
+        rows.extend(pair)
+        pairs[metric] = (theirs, ours)
+    return rows, pairs
 
 
-def _figure(results: list[Result]):
+def _fmt_ratio(value: float | None) -> str:
+    return "  --  " if value is None else f"{value:5.2f}x"
+
+
+def _print_trace(meta: dict, pairs: dict, identical: bool, reason: str) -> None:
+    h = "cpu_" if HEADLINE == 1 else ""
+    name = f"{meta['model']:14s} d{meta['depth']} {meta['family']:17s}"
+    if not identical:
+        print(f"{name} OUTPUTS DIFFER ({reason}): no ratio", flush=True)
+        return
+    cells = []
+    for metric in ("main", "output", "all"):
+        theirs, ours = pairs[metric]
+        p50_v = theirs.params["cpu_p50"] if HEADLINE else theirs.p50
+        p50_o = ours.params["cpu_p50"] if HEADLINE else ours.p50
+        cells.append(
+            f"{metric} p50 {p50_v:7.0f}/{p50_o:6.0f} us {_fmt_ratio(ours.params[h + 'ratio_p50'])}"
+            f" total {_fmt_ratio(ours.params[h + 'ratio_total'])}"
+        )
+    worst = []
+    for metric in ("main", "output"):
+        for kind, stats in pairs[metric][1].params["kinds"].items():
+            for q in ("p50", "p90"):
+                ratio = stats.get(f"{h}ratio_{q}")
+                if ratio is not None:
+                    worst.append((ratio, f"{kind} {metric} {q}"))
+    low = min(worst) if worst else None
+    tail = f" | worst kind: {low[1]} {low[0]:.2f}x" if low else ""
+    print(f"{name} " + " | ".join(cells) + tail, flush=True)
+
+
+# ---------------------------------------------------------------------------- figure
+
+
+def _figure(summaries: dict[tuple[str, str, int], dict]):
+    """Main-thread and output-side ratios per family: bars = whole-trace totals (from 1,
+    up = r3capture cheaper), ticks = p50 step; both models; one column per depth."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import FixedLocator, NullFormatter, ScalarFormatter
 
-    models = sorted({r.params["model"] for r in results})
-    fig, axes = plt.subplots(1, len(models), figsize=(6 * len(models), 4), squeeze=False)
-    for ax, model in zip(axes[0], models):
-        rows = [r for r in results if r.params["model"] == model]
-        presets = [r.params["preset"] for r in rows if r.provider == "r3capture"]
-        x = np.arange(len(presets))
-        for offset, provider in ((-0.2, "vllm-0.33.0"), (0.2, "r3capture")):
-            values = [r.p50 for r in rows if r.provider == provider]
-            ax.bar(x + offset, values, width=0.4, label=provider)
-        for i, r in enumerate(r for r in rows if r.provider == "r3capture"):
-            if "ratio_p50" in r.params:
-                ax.annotate(
-                    f"{r.params['ratio_p50']:.1f}x",
-                    (i + 0.2, r.p50),  # over r3capture's bar
-                    ha="center",
-                    va="bottom",
-                    fontsize=8,
-                )
-        ax.set_xticks(x, presets)
-        ax.set_yscale("log")
-        ax.set_ylabel("host us per step (begin_step + process_output), p50")
-        ax.set_title(f"{model}: ratio = vLLM 0.33.0 / r3capture")
-        ax.legend()
+    h = "cpu_" if HEADLINE == 1 else ""
+    depths = sorted({d for _, _, d in summaries}, reverse=True)
+    models = [m for m in MODELS if any(key[1] == m for key in summaries)]
+    families = [f for f in FAMILIES if any(key[0] == f for key in summaries)]
+    panels = (
+        ("main", "main thread (begin + prepare + enqueue)", 2.0),  # decode, prefill
+        ("output", "output thread (process_output) + vLLM's writer", 5.0),
+    )
+    fig, axes = plt.subplots(
+        len(panels), len(depths), figsize=(7.5 * len(depths), 4.4 * len(panels)), squeeze=False
+    )
+    width = 0.8 / max(len(models), 1)
+    x = np.arange(len(families))
+    ticks = [0.02, 0.05, 0.1, 0.2, 0.5, 1, 2, 5, 10, 20, 50]
+    for col, depth in enumerate(depths):
+        for row, (metric, label, target) in enumerate(panels):
+            ax = axes[row][col]
+            values = []
+            for i, model in enumerate(models):
+                totals, p50s = [], []
+                for family in families:
+                    entry = summaries.get((family, model, depth))
+                    ours = entry["pairs"][metric][1] if entry else None
+                    totals.append((ours and ours.params.get(h + "ratio_total")) or np.nan)
+                    p50s.append((ours and ours.params.get(h + "ratio_p50")) or np.nan)
+                offset = (i - (len(models) - 1) / 2) * width
+                totals_arr = np.array(totals, dtype=float)
+                ax.bar(x + offset, totals_arr - 1, bottom=1, width=width,
+                       label=f"{model}: whole trace")  # fmt: skip
+                ax.plot(x + offset, p50s, "k_", markersize=9, mew=2,
+                        label="p50 step" if i == 0 else None)  # fmt: skip
+                for xi, value in zip(x + offset, totals_arr):
+                    if np.isfinite(value):
+                        ax.annotate(f"{value:.2g}", (xi, value), ha="center",
+                                    va="bottom" if value >= 1 else "top", fontsize=6)  # fmt: skip
+                values.extend(v for v in totals + p50s if np.isfinite(v))
+            ax.axhline(1.0, color="gray", lw=1)
+            goal = f"target {target:g}x" + (" (decode, prefill)" if metric == "main" else "")
+            ax.axhline(target, color="tab:green", lw=1, ls="--", label=goal)
+            ax.set_yscale("log")
+            low = min([0.5, *values]) / 1.5
+            high = max([target, *values]) * 1.5
+            ax.set_ylim(low, high)
+            ax.yaxis.set_major_locator(FixedLocator([t for t in ticks if low <= t <= high]))
+            ax.yaxis.set_major_formatter(ScalarFormatter())
+            ax.yaxis.set_minor_formatter(NullFormatter())
+            ax.set_xticks(x, families, rotation=45, ha="right", fontsize=8)
+            ax.set_ylabel(f"vLLM / r3capture ({HEADLINE_NAME})")
+            ax.set_title(f"{label}, depth {depth}", fontsize=10)
+            ax.legend(fontsize=7)
+    fig.suptitle("Host time per step, vLLM 0.33.0 / r3capture (> 1: r3capture cheaper)")
+    fig.tight_layout()
     return fig
 
 
-def run(quick: bool = False) -> list[Result]:
-    shapes = [QWEN3_30B_A3B] if quick else [QWEN3_30B_A3B, KIMI_K2]
-    results = []
-    for shape in shapes:
-        for preset in PRESETS:
-            theirs, ours = bench_preset(shape, preset)
-            results.extend((theirs, ours))
-            ratio = ours.params.get("ratio_p50")
-            print(
-                f"{shape.name:14s} {preset:12s} vllm p50 {theirs.p50:9.1f} us  "
-                f"r3capture p50 {ours.p50:8.1f} us  "
-                + (
-                    f"ratio {ratio:5.1f}x (cpu {ours.params['ratio_cpu_p50']:.1f}x, "
-                    f"with writer {ours.params['ratio_with_writer_p50']:.1f}x)"
-                    if ratio
-                    else "OUTPUTS DIFFER: no ratio"
-                )
-                + f"  bytes/step {theirs.params['bytes_to_host_per_step']:.0f} -> "
-                f"{ours.params['bytes_to_host_per_step']:.0f}",
-                flush=True,
-            )
-    return results
+# ---------------------------------------------------------------------------- driver
+
+
+def run(
+    *,
+    families: list[str],
+    models: list[str],
+    depths: list[int],
+    repeats: int,
+    seed: int = 0,
+) -> tuple[list[Result], dict[str, Any]]:
+    started = time.perf_counter()
+    groups = [(model, depth) for depth in depths for model in models]
+    dirs: dict[tuple[str, int], list[str]] = {}
+    for model, depth in groups:
+        t0 = time.perf_counter()
+        out = _child(
+            ["record", "--cache", str(CACHE), "--model", model, "--depth", str(depth),
+             "--seed", str(seed), *families]  # fmt: skip
+        )
+        dirs[(model, depth)] = json.loads(out.strip().splitlines()[-1])
+        print(f"recordings {model} d{depth}: {time.perf_counter() - t0:.0f} s", flush=True)
+    record_seconds = time.perf_counter() - started
+
+    replays: dict[tuple[str, int, str], list[dict]] = {}
+    processes = []
+    with tempfile.TemporaryDirectory(prefix="host_step_") as tmp:
+        for repeat in range(repeats):
+            for model, depth in groups:
+                for provider in PROVIDERS:
+                    out_path = Path(tmp) / f"{provider}-{model}-{depth}-{repeat}.pkl"
+                    t0 = time.perf_counter()
+                    _child(
+                        ["replay", "--connector", provider, "--out", str(out_path),
+                         *dirs[(model, depth)]]  # fmt: skip
+                    )
+                    with open(out_path, "rb") as f:
+                        result = pickle.load(f)
+                    replays.setdefault((model, depth, provider), []).append(result)
+                    processes.append(
+                        {
+                            "provider": provider,
+                            "model": model,
+                            "depth": depth,
+                            "repeat": repeat,
+                            "seconds": round(time.perf_counter() - t0, 1),
+                            "stand_in": result["stand_in"],
+                            "timer": result["timer"],
+                        }
+                    )
+                    print(
+                        f"round {repeat + 1}/{repeats} {model} d{depth} {provider}: "
+                        f"{time.perf_counter() - t0:.0f} s",
+                        flush=True,
+                    )
+
+    rows: list[Result] = []
+    summaries: dict[tuple[str, str, int], dict] = {}
+    recordings = {}
+    print(
+        f"\nratios vLLM / r3capture ({HEADLINE_NAME}; > 1 = r3capture cheaper); "
+        "p50 columns: vLLM/r3capture us",
+        flush=True,
+    )
+    for model, depth in groups:
+        for directory in dirs[(model, depth)]:
+            meta = json.loads((Path(directory) / "meta.json").read_text())
+            key = Path(directory).name
+            runs = {p: [r["traces"][key] for r in replays[(model, depth, p)]] for p in PROVIDERS}
+            identical, reason = _same_outputs(meta, runs)
+            trace_rows, pairs = _summaries(meta, runs, identical)
+            rows.extend(trace_rows)
+            summaries[(meta["family"], model, depth)] = {
+                "pairs": pairs,
+                "identical": identical,
+                "reason": reason,
+            }
+            recordings[key] = {
+                "notes": meta["notes"],
+                "steps": len(meta["kinds"]),
+                "kinds": {k: meta["kinds"].count(k) for k in dict.fromkeys(meta["kinds"])},
+                "record_seconds": meta["record_seconds"],
+                **meta["info"],
+            }
+            _print_trace(meta, pairs, identical, reason)
+
+    stand_in = {
+        clock: float(np.median([p["stand_in"][clock] for p in processes]))
+        for clock in ("wall_ns_p50", "cpu_ns_p50")
+    }
+    timer = {
+        clock: float(np.median([p["timer"][clock] for p in processes]))
+        for clock in ("wall_ns_p50", "cpu_ns_p50")
+    }
+    print(
+        f"\nlaunch stand-in: {stand_in['cpu_ns_p50'] / 1e3:.1f} us CPU, "
+        f"{stand_in['wall_ns_p50'] / 1e3:.1f} us wall per launch (median of "
+        f"{len(processes)} processes); clock reads per timed call: "
+        f"{timer['cpu_ns_p50'] / 1e3:.1f} us CPU, {timer['wall_ns_p50'] / 1e3:.1f} us wall",
+        flush=True,
+    )
+    extra = {
+        "headline_clock": HEADLINE_NAME,
+        "method": (
+            "Recorded simulator traces (vLLM 0.33.0 scheduler + worker call order) replayed "
+            "through each connector in separate processes, alternating, a fresh connector per "
+            "trace; per-step median over repeats; main = begin_step + prepare_output + "
+            "enqueue_cpu_copy, process = process_output, background = CPU of connector threads "
+            "(vLLM's store writer, drained outside timed calls), output = process + "
+            "background, all = main + output. GPU work replaced by one launch stand-in per "
+            "launch on both sides (bench/stand_ins.py)."
+        ),
+        "launch_stand_in_ns": stand_in,
+        "timer_overhead_ns": timer,
+        "repeats": repeats,
+        "processes": processes,
+        "families": {f: FAMILIES[f].description for f in families},
+        "recordings": recordings,
+        "record_seconds": round(record_seconds, 1),
+        "run_seconds": round(time.perf_counter() - started, 1),
+    }
+    return rows, {"extra": extra, "summaries": summaries}
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="Qwen3 shape only")
+    parser.add_argument(
+        "--quick", action="store_true", help=f"{MODELS[0]}, depth 2, {len(QUICK_FAMILIES)} families"
+    )
+    parser.add_argument("--repeats", type=int, default=3, help="processes per connector (>= 3)")
+    parser.add_argument("--families", help="comma-separated subset of: " + ",".join(FAMILIES))
+    parser.add_argument("--models", help="comma-separated subset of: " + ",".join(MODELS))
+    parser.add_argument("--depths", help="comma-separated subset of: 2,1")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--out-dir", type=Path, default=RESULTS_DIR)
     args = parser.parse_args(argv)
-    results = run(quick=args.quick)
-    identical = all(r.params["outputs_identical"] for r in results)
+    families = list(QUICK_FAMILIES) if args.quick else list(FAMILIES)
+    models = [MODELS[0]] if args.quick else list(MODELS)
+    depths = [2] if args.quick else list(DEPTHS)
+    if args.families:
+        families = args.families.split(",")
+    if args.models:
+        models = args.models.split(",")
+    if args.depths:
+        depths = [int(d) for d in args.depths.split(",")]
+    unknown = [f for f in families if f not in FAMILIES] + [m for m in models if m not in MODELS]
+    if unknown:
+        parser.error(f"unknown families or models: {unknown}")
+    rows, info = run(
+        families=families, models=models, depths=depths, repeats=args.repeats, seed=args.seed
+    )
+    identical = all(s["identical"] for s in info["summaries"].values())
     write_results(
         "host_step",
-        results,
-        figure=_figure(results),
-        extra={"note": "CPU-only run: prepare_output includes the torch reference kernel"},
+        rows,
+        figure=_figure(info["summaries"]),
+        extra=info["extra"],
+        out_dir=args.out_dir,
     )
+    print(f"wrote {args.out_dir / 'host_step.json'} ({info['extra']['run_seconds']:.0f} s)")
     return 0 if identical else 1
 
 

@@ -697,7 +697,10 @@ class SimEngine:
                         f"known={known}, n={n}, drafts={drafts}"
                     )
                 accepted = 0
-                while accepted < drafts and self.rng.random() < self.cfg.accept_prob:
+                accept_prob = request.spec.accept_prob
+                if accept_prob is None:
+                    accept_prob = self.cfg.accept_prob
+                while accepted < drafts and self.rng.random() < accept_prob:
                     accepted += 1
                 out_index = known - request.num_prompt_tokens
                 new = [self._true_token(request, out_index + j) for j in range(accepted + 1)]

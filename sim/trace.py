@@ -77,7 +77,8 @@ class RequestSpec:
     output is ``tokens[:max_tokens]``; the slack after it is what an async engine samples
     past the stop before it notices. ``after``: arrives ``arrival_step`` steps after that
     request finished (multi-turn); otherwise at step ``arrival_step``. ``abort_step``:
-    the client aborts it before that step is scheduled."""
+    the client aborts it before that step is scheduled. ``accept_prob``: this request's
+    per-draft acceptance probability (None: the engine's ``accept_prob``)."""
 
     req_id: str
     prompt: tuple[int, ...]
@@ -87,6 +88,7 @@ class RequestSpec:
     arrival_step: int = 0
     after: str | None = None
     abort_step: int | None = None
+    accept_prob: float | None = None
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,277 @@
+"""Trace families of the host-step benchmark, as simulator traces.
+
+Each family is a function ``(model, depth, seed) -> sim.Trace``; the simulator
+(``sim/engine.py``) turns it into the exact call sequence vLLM 0.33.0's engine makes, which
+``sim/recording.py`` records. Every trace is played whole: prefill chunks, finishes, empty
+steps, preemptions and resets are steps like any other.
+
+Common to all: hash blocks and KV blocks of 16 tokens, an 8192-token step budget, chunked
+prefill (a prompt takes what is left of the budget), every request asks for its whole
+prompt's routing (``routed_experts_prompt_start = 0``, the RL rollout case), and
+``depth`` = ``max_concurrent_batches`` (2: async scheduling, MRV2's default).
+
+This module imports no torch, vLLM or simulator code at import time, so the benchmark's
+parent process can list families cheaply.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+if TYPE_CHECKING:
+    from bench.models import ModelShape
+    from sim.trace import RequestSpec, Trace
+
+BLOCK = 16
+BUDGET = 8192
+VOCAB = 1000  # sim.trace.VOCAB
+
+
+@dataclass(frozen=True)
+class Family:
+    name: str
+    description: str
+    build: Callable[..., Trace]
+
+
+class _Requests:
+    """Seeded request factory: prompts of random tokens and the token stream each request
+    samples (``max_tokens`` plus the slack an async engine samples past a stop)."""
+
+    def __init__(self, seed: int, spec_k: int = 0) -> None:
+        self.rng = np.random.default_rng(seed)
+        self.slack = 4 * (spec_k + 1) + 4
+        self.count = 0
+
+    def tokens(self, n: int) -> tuple[int, ...]:
+        return tuple(self.rng.integers(0, VOCAB, n).tolist())
+
+    def between(self, low: int, high: int) -> int:
+        return int(self.rng.integers(low, high + 1))
+
+    def make(
+        self,
+        prompt: tuple[int, ...],
+        max_tokens: int,
+        *,
+        arrival_step: int = 0,
+        after: str | None = None,
+        accept_prob: float | None = None,
+    ) -> RequestSpec:
+        from sim.trace import RequestSpec
+
+        self.count += 1
+        return RequestSpec(
+            req_id=f"q{self.count:05d}",
+            prompt=prompt,
+            tokens=self.tokens(max_tokens + self.slack),
+            max_tokens=max_tokens,
+            prompt_start=0,
+            arrival_step=arrival_step,
+            after=after,
+            accept_prob=accept_prob,
+        )
+
+
+def _trace(name, model, depth, seed, requests, *, notes, reset_steps=(), **config) -> Trace:
+    from sim.trace import EngineConfig, ModelSpec, Trace
+
+    spec = ModelSpec(num_layers=model.num_layers, top_k=model.top_k, num_experts=model.num_experts)
+    settings = dict(
+        block_size=BLOCK,
+        hash_block_size=BLOCK,
+        max_num_batched_tokens=BUDGET,
+        max_concurrent_batches=depth,
+    )
+    settings.update(config)
+    return Trace(
+        name,
+        seed,
+        spec,
+        EngineConfig(**settings),
+        tuple(requests),
+        reset_steps=tuple(reset_steps),
+        max_steps=50_000,
+        notes=notes,
+    )
+
+
+def _blocks_for(requests, extra: int = 0) -> int:
+    """KV blocks that hold every request's whole sequence at once (no KV pressure)."""
+    tokens = sum(len(r.prompt) + r.max_tokens + 16 for r in requests)
+    return tokens // BLOCK + len(requests) + extra + 64
+
+
+def decode(batch: int) -> Family:
+    def build(model: ModelShape, depth: int, seed: int) -> Trace:
+        g = _Requests(seed)
+        reqs = [g.make(g.tokens(g.between(64, 512)), g.between(160, 192)) for _ in range(batch)]
+        return _trace(
+            f"decode-{batch}",
+            model,
+            depth,
+            seed,
+            reqs,
+            notes=f"{batch} requests arrive together: prompts 64-512, outputs 160-192 tokens",
+            max_num_seqs=batch,
+            num_gpu_blocks=_blocks_for(reqs),
+        )
+
+    return Family(
+        f"decode-{batch}",
+        f"{batch} requests decoding together (prompts 64-512 tokens in 8k-token prefill "
+        "steps first, then 160-192 output tokens each)",
+        build,
+    )
+
+
+def prefill() -> Family:
+    def build(model: ModelShape, depth: int, seed: int) -> Trace:
+        g = _Requests(seed)
+        reqs = [
+            g.make(g.tokens(g.between(16_384, 40_960)), g.between(1, 4), arrival_step=4 * i)
+            for i in range(12)
+        ]
+        return _trace(
+            "prefill",
+            model,
+            depth,
+            seed,
+            reqs,
+            notes="12 prompts of 16k-40k tokens in 8k-token chunks, 1-4 output tokens",
+            max_num_seqs=16,
+            num_gpu_blocks=_blocks_for(reqs),
+        )
+
+    return Family(
+        "prefill", "12 long prompts (16k-40k tokens) in 8192-token chunks, 1-4 output tokens",
+        build,
+    )
+
+
+def multi_turn(kind: str) -> Family:
+    """Conversations whose next turn extends the previous one (prompt + answer + a new user
+    message): its prefix is a KV-cache hit, and its routing comes from the store."""
+    if kind == "short":
+        conversations, turns, first, message, answer = 24, 8, (100, 300), (100, 250), (16, 64)
+        text = "24 conversations x 8 turns; prefix hits grow from ~100 to ~2,000 tokens"
+    else:
+        conversations, turns, first, message, answer = 12, 5, (8_192, 10_240), (200, 800), (16, 64)
+        text = "12 conversations x 5 turns; prefix hits of 8k-13k tokens"
+
+    def build(model: ModelShape, depth: int, seed: int) -> Trace:
+        g = _Requests(seed)
+        reqs = []
+        for conv in range(conversations):
+            history = g.tokens(g.between(*first))
+            prev = None
+            for _ in range(turns):
+                out = g.between(*answer)
+                req = g.make(
+                    history,
+                    out,
+                    arrival_step=conv % 8 if prev is None else g.between(0, 2),
+                    after=prev,
+                )
+                reqs.append(req)
+                history = history + req.tokens[:out] + g.tokens(g.between(*message))
+                prev = req.req_id
+        return _trace(
+            f"multi-turn-{kind}",
+            model,
+            depth,
+            seed,
+            reqs,
+            notes=text,
+            max_num_seqs=32,
+            num_gpu_blocks=_blocks_for(reqs),
+        )
+
+    return Family(f"multi-turn-{kind}", text, build)
+
+
+def speculative(k: int) -> Family:
+    def build(model: ModelShape, depth: int, seed: int) -> Trace:
+        g = _Requests(seed, spec_k=k)
+        reqs = [
+            g.make(
+                g.tokens(g.between(64, 512)),
+                g.between(192, 256),
+                accept_prob=float(g.rng.uniform(0.3, 0.9)),
+            )
+            for _ in range(128)
+        ]
+        return _trace(
+            f"spec-k{k}",
+            model,
+            depth,
+            seed,
+            reqs,
+            notes=f"128 requests, k={k} drafts, per-request acceptance 0.3-0.9, draft_prob 0.7",
+            max_num_seqs=128,
+            num_spec_tokens=k,
+            draft_prob=0.7,
+            num_gpu_blocks=_blocks_for(reqs, extra=128 * k),
+        )
+
+    return Family(
+        f"spec-k{k}",
+        f"128 requests with k={k} drafts: per-request acceptance rates 0.3-0.9, drafts "
+        "proposed for 70% of steps",
+        build,
+    )
+
+
+def mixed() -> Family:
+    text = (
+        "waves of shared prompts (n=4 samples each, 512-2k tokens) beside decodes; KV "
+        "pressure preempts; one prefix-cache reset mid-trace"
+    )
+
+    def build(model: ModelShape, depth: int, seed: int) -> Trace:
+        g = _Requests(seed)
+        reqs = []
+        for wave in range(24):
+            prompt = g.tokens(g.between(512, 2048))
+            for _ in range(4):
+                reqs.append(g.make(prompt, g.between(48, 192), arrival_step=12 * wave))
+        # KV for ~40 running requests of average size: later waves preempt earlier ones.
+        blocks = 40 * (1280 + 120) // BLOCK
+        return _trace(
+            "mixed",
+            model,
+            depth,
+            seed,
+            reqs,
+            notes=text,
+            reset_steps=(150,),
+            max_num_seqs=64,
+            num_gpu_blocks=blocks,
+        )
+
+    return Family("mixed", text, build)
+
+
+FAMILIES: dict[str, Family] = {
+    f.name: f
+    for f in (
+        decode(8),
+        decode(32),
+        decode(128),
+        decode(256),
+        decode(512),
+        prefill(),
+        multi_turn("short"),
+        multi_turn("long"),
+        speculative(1),
+        speculative(3),
+        speculative(5),
+        mixed(),
+    )
+}
+
+QUICK_FAMILIES = ("decode-32", "decode-256", "prefill", "multi-turn-short", "spec-k3", "mixed")

@@ -1,0 +1,180 @@
+"""The host-step benchmark's recording, replay, stand-ins and ratio gate.
+
+A simulator run is recorded (``sim/recording.py``); replaying the recording through vLLM
+0.33.0's worker connector and through r3capture's must reproduce the simulator's outputs
+step for step; the kernel stand-in must keep r3capture's kernel out of the timed calls.
+"""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import pytest
+
+from bench.host_step_families import FAMILIES
+from bench.host_step_replay import CALLS, KINDS, replay, step_kinds
+from bench.stand_ins import KernelStandIn, SnapshotStandIn, kernel_binding
+from sim import make_trace, run_trace, vllm_scheduler
+from sim.recording import PREPARE, Recording, record_trace
+
+pytest.importorskip("vllm.distributed.aux_output_connector.worker")
+
+PROVIDERS = ("vllm-0.33.0", "r3capture")
+
+
+@pytest.mark.parametrize("scenario", ["async_spec", "reset", "shared_prefix"])
+def test_replay_reproduces_the_simulator(scenario, tmp_path):
+    """Async depth 2 with drafts, prefix-cache resets, same-step prefix hits: both
+    connectors' replays give the simulator's outputs, also from a saved recording."""
+    trace = make_trace(scenario, seed=0)
+    recording = record_trace(trace, tmp_path / "rec")
+    assert recording.error is None and "engine_error" not in recording.info
+    sim = run_trace(trace, scheduler_factory=vllm_scheduler)
+    assert recording.num_steps == sim.stats.steps
+    assert len(recording.digests) == len(sim.steps) > 0
+    loaded = Recording.load(tmp_path / "rec")
+    assert np.array_equal(np.asarray(loaded.rows), np.asarray(recording.rows))
+    for provider in PROVIDERS:
+        with KernelStandIn() as exclusion:
+            times = replay(loaded, provider, exclusion=exclusion)
+        assert times.error is None, times.error
+        assert times.digests == recording.digests, provider
+        assert times.calls.shape == (len(CALLS), recording.num_steps, 2)
+        assert (times.calls >= 0).all()
+        assert times.launches == sum(1 for e in recording.events if e[0] == PREPARE)
+        if provider == "vllm-0.33.0":
+            assert times.background.sum() > 0  # the store writer's CPU time was read
+
+
+def test_replay_reports_a_broken_connector_as_different_digests(monkeypatch):
+    """A connector whose rows are wrong must not match the recording (the ratio gate)."""
+    from vllm.distributed.aux_output_connector import worker as vllm_worker
+
+    recording = record_trace(make_trace("spec_decode", seed=0))
+    original = vllm_worker.PendingAuxOutput.enqueue_cpu_copy
+
+    def flip(self, num_sampled, num_rejected):
+        original(self, num_sampled, num_rejected)
+        self.routed_experts = self.routed_experts.copy()
+        self.routed_experts[..., 0] ^= 1
+
+    monkeypatch.setattr(vllm_worker.PendingAuxOutput, "enqueue_cpu_copy", flip)
+    times = replay(recording, "vllm-0.33.0")
+    assert times.digests != recording.digests
+
+
+def test_kernel_stand_in_excludes_the_kernel(monkeypatch):
+    """A deliberately slow kernel (50 ms of CPU per launch) shows up in r3capture's
+    prepare_output without the stand-in and not with it."""
+    recording = record_trace(make_trace("spec_decode", seed=0))
+    module, attr = kernel_binding()
+    real = getattr(module, attr)
+    slow_ns = 50_000_000
+
+    def slow_kernel(*args, **kwargs):
+        end = time.thread_time_ns() + slow_ns
+        while time.thread_time_ns() < end:
+            pass
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(module, attr, slow_kernel)
+    forward = [e[1] for e in recording.events if e[0] == PREPARE]
+    prepare = CALLS.index("prepare_output")
+
+    plain = replay(recording, "r3capture")
+    assert plain.digests == recording.digests
+    assert (plain.calls[prepare, forward, 1] >= slow_ns).all()
+
+    with KernelStandIn() as exclusion:
+        excluded = replay(recording, "r3capture", exclusion=exclusion)
+        assert getattr(module, attr) is not slow_kernel
+    assert getattr(module, attr) is slow_kernel
+    assert excluded.digests == recording.digests
+    assert excluded.launches == len(forward)
+    assert excluded.excluded_cpu_ns >= slow_ns * len(forward)
+    main = excluded.calls[:3, :, :].sum(axis=0)  # [steps, (wall, cpu)]
+    assert (main[:, 1] < slow_ns // 5).all(), main[:, 1].max()
+    assert np.median(main[:, 0]) < slow_ns // 5
+
+
+def test_snapshot_stand_in_returns_the_staged_cast():
+    import torch
+
+    capturer = type("C", (), {})()
+    capturer.shape_per_token = (2, 3)
+    capturer.output_dtype_name = "uint8"
+    capturer.output_dtype = torch.uint8
+    capturer.device_buffer = torch.arange(4 * 6, dtype=torch.int32).reshape(4, 2, 3)
+    snapshot = SnapshotStandIn(capturer)
+    with pytest.raises(RuntimeError, match="no snapshot of 3 rows"):
+        snapshot.snapshot_routing_data(3)
+    snapshot.stage(3)
+    out = snapshot.snapshot_routing_data(3)
+    assert out.dtype == torch.uint8 and torch.equal(out, capturer.device_buffer[:3].to(torch.uint8))
+    assert snapshot.launches == 1
+
+
+def test_step_kinds():
+    spec = record_trace(make_trace("spec_decode", seed=0))
+    kinds = step_kinds(spec)
+    assert len(kinds) == spec.num_steps and set(kinds) <= set(KINDS)
+    assert "spec-decode" in kinds
+    hits = record_trace(make_trace("shared_prefix", seed=0))
+    assert "prefix-hit" in step_kinds(hits)
+
+
+def test_families_build():
+    """Every family builds for both model shapes and both depths (no simulation)."""
+    from bench.models import KIMI_K2, QWEN3_30B_A3B
+
+    for family in FAMILIES.values():
+        for model in (QWEN3_30B_A3B, KIMI_K2):
+            for depth in (1, 2):
+                trace = family.build(model, depth, 0)
+                assert trace.config.max_concurrent_batches == depth
+                assert trace.config.hash_block_size == 16
+                assert trace.model.num_layers == model.num_layers
+                assert trace.model.dtype == model.np_dtype
+                assert trace == family.build(model, depth, 0)  # deterministic
+
+
+def test_no_ratio_when_outputs_differ():
+    from bench.host_step_bench import _same_outputs, _summaries
+
+    steps = 4
+    meta = {
+        "family": "f",
+        "model": "m",
+        "depth": 2,
+        "shape": [2, 2],
+        "dtype": "uint8",
+        "kinds": ["decode"] * steps,
+        "digests": [[s, f"d{s}"] for s in range(steps)],
+    }
+
+    def run(digests, scale):
+        calls = np.full((len(CALLS), steps, 2), 1000 * scale, np.int64)
+        return {
+            "calls": calls,
+            "background": np.zeros(steps, np.int64),
+            "digests": digests,
+            "error": None,
+        }
+
+    good = [[s, f"d{s}"] for s in range(steps)]
+    bad = [[s, f"d{s}" if s != 2 else "x"] for s in range(steps)]
+    runs = {"vllm-0.33.0": [run(good, 3)] * 3, "r3capture": [run(good, 1)] * 3}
+    identical, _ = _same_outputs(meta, runs)
+    rows, _ = _summaries(meta, runs, identical)
+    ours = [r for r in rows if r.provider == "r3capture" and r.op == "main"][0]
+    assert identical and ours.params["cpu_ratio_p50"] == pytest.approx(3.0)
+    assert ours.params["kinds"]["decode"]["cpu_ratio_p90"] == pytest.approx(3.0)
+    assert ours.params["cpu_total_ms"] == pytest.approx(3 * steps * 1000 / 1e6)
+    assert ours.params["calls"]["prepare_output"]["cpu_ratio_total"] == pytest.approx(3.0)
+    runs["r3capture"] = [run(good, 1), run(bad, 1), run(good, 1)]
+    identical, reason = _same_outputs(meta, runs)
+    assert not identical and "step 2" in reason
+    rows, _ = _summaries(meta, runs, identical)
+    assert not any("ratio_p50" in r.params for r in rows)
+    assert not any("ratio_p50" in k for r in rows for k in r.params["kinds"].values())
