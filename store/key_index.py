@@ -1,18 +1,28 @@
 """Open-addressing hash map from key rows to dense entry ids, in batches.
 
 Every operation takes a whole batch of key rows (``uint64 [n, KEY_WORDS]``, see keys.py) and
-runs as a fixed number of numpy operations plus one short loop per probe round; no Python runs
+runs as a fixed number of numpy operations plus a short loop over probe windows; no Python runs
 per key. Entry ids are small dense integers (recycled after ``remove``), so the store keeps its
 per-key state (slot, reference count, recency) in flat arrays indexed by entry id.
 
-Layout: a power-of-two table of buckets holding an entry id, ``EMPTY`` or ``TOMBSTONE``, with
-linear probing from a key's home bucket. The home bucket is the top bits of a hash that mixes
-all five words (an odd multiplier per word, then two xor-shift-multiply rounds), so hashes that
-differ only in a few bytes (a counter in the last byte) still spread over the table. A hit is
-confirmed by comparing the full row. ``remove`` leaves a tombstone; inserts reuse tombstones, and
-the table is rebuilt when live entries plus tombstones pass half of it (or live entries fall
-below a sixteenth of it), so probe sequences stay short and the table stays within a constant
-factor of the live entries.
+Layout: a power-of-two table of buckets, linear probing from a key's home bucket. Each bucket
+holds a fingerprint (0 when empty, else the occupant's hash with the low bit set), the
+occupant's entry id, and its *reach*: how far past it the keys that call it home were placed
+(at most; 0 when all of them sit in it). The hash mixes all five words (an odd multiplier per
+word, then a xor-shift-multiply round, so every input bit reaches the top bits); the home bucket
+is its top bits, so keys that differ in one byte (a counter in the last byte of the hash) spread
+over the table as evenly as random ones.
+
+A lookup compares fingerprints at the home bucket; only a key whose home has a reach probes on,
+``WINDOW`` buckets per round, up to that reach. So a miss usually costs one bucket, and a
+removal simply empties its bucket (a lookup never stops at an empty bucket, so no tombstones are
+needed). Every fingerprint hit is confirmed by comparing the full row; a fingerprint shared by
+two rows (a 64-bit hash collision) falls back to comparing rows bucket by bucket.
+
+Reaches only grow between rebuilds. The table is rebuilt when live entries plus the removals
+since the last rebuild (counted like tombstones) pass half of it, or when live entries fall
+below a sixteenth of it: probe reaches stay short and the table stays within a constant factor
+of the live entries.
 """
 
 from __future__ import annotations
@@ -21,16 +31,19 @@ import numpy as np
 
 from r3capture.store.keys import KEY_WORDS
 
-EMPTY = -1
-TOMBSTONE = -2
 MIN_BUCKETS = 16
+WINDOW = 4  # buckets looked at per key and probe round past the home bucket
+_WINDOW_BITS = 2
+assert 1 << _WINDOW_BITS == WINDOW
 
-_MAX_LOAD = 2  # rebuild when (live + tombstones) * _MAX_LOAD > buckets
+_ABSENT = -1
+_EMPTY = np.uint64(0)
+_MAX_LOAD = 2  # rebuild when (live + removed) * _MAX_LOAD > buckets
 _SHRINK_LOAD = 16  # rebuild smaller when live * _SHRINK_LOAD < buckets
 _SPARE = 4  # a rebuilt table has about _SPARE buckets per live entry
 
-# One odd multiplier per word, then the splitmix64 finalizer's constants. 0-d arrays keep the
-# arithmetic in uint64 without the cost of converting a Python int on every call.
+# One odd multiplier per word, then a multiplier from the splitmix64 finalizer. 0-d arrays keep
+# the arithmetic in uint64 without converting a Python int on every call.
 _WORD_MULTIPLIERS = np.array(
     [
         0x9E3779B97F4A7C15,
@@ -41,29 +54,33 @@ _WORD_MULTIPLIERS = np.array(
     ],
     dtype=np.uint64,
 )
-_MIX_1 = np.array(0xBF58476D1CE4E5B9, dtype=np.uint64)
-_MIX_2 = np.array(0x94D049BB133111EB, dtype=np.uint64)
-_SHIFT_30 = np.array(30, dtype=np.uint64)
-_SHIFT_27 = np.array(27, dtype=np.uint64)
+_MIX = np.array(0xBF58476D1CE4E5B9, dtype=np.uint64)
+_HALF = np.array(32, dtype=np.uint64)
+_ONE = np.array(1, dtype=np.uint64)
 _ONES = np.ones(KEY_WORDS, dtype=np.uint8)
+_NEXT = np.arange(1, WINDOW + 1, dtype=np.int64)  # window offsets past a bucket
+_FROM = np.arange(WINDOW, dtype=np.int64)  # window offsets from a bucket on
 _NO_IDS = np.empty(0, dtype=np.int64)
 assert len(_WORD_MULTIPLIERS) == KEY_WORDS
 
 
 def bucket_hash(rows: np.ndarray) -> np.ndarray:
-    """64-bit hash (``uint64 [n]``) of key rows; a table of ``2**b`` buckets uses its top
-    ``b`` bits."""
+    """64-bit hash (``uint64 [n]``) of key rows; a table of ``2**b`` buckets homes a key at
+    the hash's top ``b`` bits."""
     h = rows @ _WORD_MULTIPLIERS
-    h ^= h >> _SHIFT_30
-    h *= _MIX_1
-    h ^= h >> _SHIFT_27
-    h *= _MIX_2
+    h ^= h >> _HALF
+    h *= _MIX
     return h
 
 
-def rows_equal(a: np.ndarray, b: np.ndarray) -> np.ndarray:
-    """Row-wise equality of two ``uint64 [n, KEY_WORDS]`` arrays (``bool [n]``)."""
+def _rows_equal(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """Row-wise equality of two ``uint64 [m, KEY_WORDS]`` arrays (``bool [m]``)."""
     return ((a == b).view(np.uint8) @ _ONES) == KEY_WORDS
+
+
+def _rows_differ(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """How many words differ per row (``uint8 [m]``; 0 where the rows are equal)."""
+    return (a != b).view(np.uint8) @ _ONES
 
 
 class KeyIndex:
@@ -82,10 +99,8 @@ class KeyIndex:
         # Free entry ids, a stack whose top is the end; ids 0, 1, 2, ... come out first.
         self._free_ids = np.arange(entries - 1, -1, -1, dtype=np.int64)
         self._num_free = entries
-        self._table = np.full(buckets, EMPTY, dtype=np.int64)
-        self._shift = np.array(64 - buckets.bit_length() + 1, dtype=np.uint64)
         self._live = 0
-        self._tombstones = 0
+        self._new_table(buckets)
 
     def __len__(self) -> int:
         return self._live
@@ -97,115 +112,184 @@ class KeyIndex:
 
     @property
     def num_buckets(self) -> int:
-        return len(self._table)
+        return len(self._fp)
 
     def rows(self, ids: np.ndarray) -> np.ndarray:
         """Key rows of live entry ids."""
         return self._rows[ids]
 
     def find(self, rows: np.ndarray) -> np.ndarray:
-        """Entry id of each row (``int64 [n]``), ``EMPTY`` (-1) where the key is absent."""
-        if not len(rows):
-            return _NO_IDS.copy()
-        return self._find(rows, self._home(rows))
+        """Entry id of each row (``int64 [n]``), -1 where the key is absent."""
+        h = bucket_hash(rows)
+        return self._find(rows, h | _ONE, (h >> self._shift).view(np.int64))
 
     def find_or_insert(self, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """Entry id of each row, inserting absent keys (a key repeated in ``rows`` gets one
         entry). Returns ``(ids, created)``: ``created`` lists the new entry ids."""
-        ids = self.find(rows)
+        h = bucket_hash(rows)
+        fq = h | _ONE
+        ids = self._find(rows, fq, (h >> self._shift).view(np.int64))
         missing = (ids < 0).nonzero()[0]
         if not missing.size:
             return ids, _NO_IDS
-        ids[missing], created = self._insert(rows[missing])
+        m = len(missing)
+        if (self._live + self._removed + m) * _MAX_LOAD > len(self._fp):
+            self._rebuild(self._live + m)
+        new = self._take_ids(m)
+        self._rows[new] = np.take(rows, missing, axis=0)
+        fq = fq[missing]
+        placed, created = self._place(new, fq, self._next_free(self._home(fq)))
+        if len(created) < m:
+            # A key repeated in the batch took one entry; its other ids go back unused.
+            self._push_free(np.setdiff1d(new, created, assume_unique=True))
+        self._live += len(created)
+        ids[missing] = placed
         return ids, created
 
     def remove(self, ids: np.ndarray) -> None:
         """Remove distinct live entries; their ids become free for reuse."""
         if not len(ids):
             return
-        self._table[self._bucket_of[ids]] = TOMBSTONE
-        self._tombstones += len(ids)
+        self._fp[self._bucket_of[ids]] = _EMPTY
+        self._removed += len(ids)
         self._live -= len(ids)
         self._push_free(ids)
-        if len(self._table) > MIN_BUCKETS and self._live * _SHRINK_LOAD < len(self._table):
+        if len(self._fp) > MIN_BUCKETS and self._live * _SHRINK_LOAD < len(self._fp):
             self._rebuild(self._live)
 
-    def _home(self, rows: np.ndarray) -> np.ndarray:
-        return (bucket_hash(rows) >> self._shift).view(np.int64)
+    def _home(self, fq: np.ndarray) -> np.ndarray:
+        # The fingerprint's low bit is below the home's bits.
+        return (fq >> self._shift).view(np.int64)
 
-    def _find(self, rows: np.ndarray, pos: np.ndarray) -> np.ndarray:
-        table, stored = self._table, self._rows
-        ids = table[pos]
-        # EMPTY/TOMBSTONE index the last rows here; the sign test below discards those.
-        same = stored[ids] == rows
-        if np.count_nonzero(same) == same.size and np.count_nonzero(ids < 0) == 0:
-            return ids  # every key in its home bucket: the common case for a hit
-        hit = ((same.view(np.uint8) @ _ONES) == KEY_WORDS) & (ids >= 0)
-        found = np.where(hit, ids, EMPTY)
-        # Probe on past tombstones and other keys; an empty bucket ends a key's search.
-        active = (~hit & (ids != EMPTY)).nonzero()[0]
-        wrap = len(table) - 1
-        while active.size:
-            at = (pos[active] + 1) & wrap
-            pos[active] = at
-            ids = table[at]
-            hit = rows_equal(stored[ids], rows[active]) & (ids >= 0)
-            found[active[hit]] = ids[hit]
-            active = active[~hit & (ids != EMPTY)]
+    def _find(self, rows: np.ndarray, fq: np.ndarray, home: np.ndarray) -> np.ndarray:
+        f = self._fp[home]
+        hit = f == fq
+        found = self._ids[home]
+        # Every fingerprint hit is confirmed with the full row. (np.take gathers rows
+        # several times faster than indexing with [] does.)
+        if np.count_nonzero(hit) == len(rows):  # every key in its home bucket: usual for hits
+            same = np.count_nonzero(np.take(self._rows, found, axis=0) != rows) == 0
+        else:
+            found[~hit] = _ABSENT
+            reach = self._reach[home]
+            far = (~hit & (reach > 0)).nonzero()[0]
+            if far.size:
+                key, ids = self._probe(fq[far], home[far], reach[far])
+                found[far[key]] = ids
+            hits = found >= 0
+            differs = _rows_differ(np.take(self._rows, found, axis=0), rows)
+            same = np.count_nonzero(differs[hits]) == 0
+        return found if same else self._find_exact(rows, home)
+
+    def _probe(
+        self, fq: np.ndarray, start: np.ndarray, reach: np.ndarray
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """Keys not in their home bucket ``start``, probed ``WINDOW`` buckets past it per
+        round until the home's ``reach``. Returns (positions in ``fq`` of the keys found,
+        their entry ids)."""
+        fp, wrap = self._fp, len(self._fp) - 1
+        window = (start[:, None] + _NEXT) & wrap  # [m, WINDOW]
+        match = (fp[window] == fq[:, None]).ravel().nonzero()[0]
+        key, found = match >> _WINDOW_BITS, self._ids[window.ravel()[match]]
+        more = reach > WINDOW
+        if not np.count_nonzero(more):
+            return key, found
+        more[key] = False  # found already
+        if not np.count_nonzero(more):
+            return key, found
+        rest = more.nonzero()[0]
+        rest_key, rest_found = self._probe(fq[rest], window[rest, -1], reach[rest] - WINDOW)
+        return np.concatenate((key, rest[rest_key])), np.concatenate((found, rest_found))
+
+    def _next_free(self, start: np.ndarray) -> np.ndarray:
+        """First empty bucket from ``start`` on (inclusive)."""
+        fp, wrap = self._fp, len(self._fp) - 1
+        if np.count_nonzero(fp[start]) == 0:
+            return start  # every start is empty: the usual case at half load or less
+        free = start.copy()
+        todo = np.arange(len(start))
+        while todo.size:
+            window = (start[todo, None] + _FROM) & wrap
+            empty = fp[window] == _EMPTY
+            first = empty.argmax(axis=1)
+            flat = np.arange(0, len(todo) * WINDOW, WINDOW) + first
+            done = empty.ravel()[flat]
+            free[todo[done]] = window.ravel()[flat][done]
+            start[todo] += WINDOW
+            todo = todo[~done]
+        return free
+
+    def _find_exact(self, rows: np.ndarray, home: np.ndarray) -> np.ndarray:
+        """Compare full rows at every bucket of each key's reach (after a fingerprint was
+        shared by two rows)."""
+        fp, ids, stored, wrap = self._fp, self._ids, self._rows, len(self._fp) - 1
+        found = np.full(len(rows), _ABSENT, dtype=np.int64)
+        todo, at, left = np.arange(len(rows)), home.copy(), self._reach[home]
+        while todo.size:
+            same = (fp[at] != _EMPTY) & _rows_equal(np.take(stored, ids[at], axis=0), rows[todo])
+            found[todo[same]] = ids[at[same]]
+            more = ~same & (left > 0)
+            todo, at, left = todo[more], (at[more] + 1) & wrap, left[more] - 1
         return found
 
-    def _insert(self, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """Insert absent keys (repeats allowed); return (id per row, created ids)."""
-        m = len(rows)
-        if (self._live + self._tombstones + m) * _MAX_LOAD > len(self._table):
-            self._rebuild(self._live + m)
-        new = self._take_ids(m)
-        self._rows[new] = rows
-        ids, created = self._place(new, self._home(rows))
-        if len(created) < m:
-            # A key repeated in the batch took one entry; its other ids go back unused.
-            self._push_free(np.setdiff1d(new, created, assume_unique=True))
-        self._live += len(created)
-        return ids, created
-
-    def _place(self, new: np.ndarray, pos: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """Claim a free bucket for each entry of ``new`` (rows already written), probing
-        from ``pos``. Entries whose row equals that of an entry placed in the same round
-        (the same key twice) take that entry's id instead. Returns (ids, placed entries)."""
-        table, stored = self._table, self._rows
-        wrap = len(table) - 1
+    def _place(
+        self, new: np.ndarray, fq: np.ndarray, at: np.ndarray
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """Put entries ``new`` (rows written, fingerprints ``fq``) into the table, trying
+        empty buckets ``at`` first. An entry whose row equals that of an entry placed in the
+        same round (the same key twice) takes that entry's id instead. Returns (id per
+        entry, entries placed)."""
+        table, stored, wrap = self._ids, self._rows, len(self._fp) - 1
         ids = new.copy()
         placed = []
-        pending = np.arange(len(new))
-        while pending.size:
-            at = pos[pending]
-            before = table[at]
-            free = before < 0
-            claim, at = pending[free], at[free]
-            table[at] = new[claim]
+        where = np.arange(len(new))  # position in ids of each entry still to place
+        while True:
+            table[at] = new
             owner = table[at]  # one claimant per bucket wins, whichever numpy wrote last
-            won = owner == new[claim]
-            self._tombstones -= np.count_nonzero(before[free][won] == TOMBSTONE)
-            self._bucket_of[new[claim[won]]] = at[won]
-            placed.append(new[claim[won]])
-            lost, owner = claim[~won], owner[~won]
-            twin = rows_equal(stored[owner], stored[new[lost]])
-            ids[lost[twin]] = owner[twin]
-            # Twins move in lockstep (same home, same sequence), so a twin is always met in
-            # the round its first copy is placed; everyone else moves one bucket on.
-            pending = np.concatenate((pending[~free], lost[~twin]))
-            pos[pending] = (pos[pending] + 1) & wrap
-        return ids, np.concatenate(placed)
+            won = owner == new
+            if np.count_nonzero(won) == len(new):
+                self._settle(new, fq, at)
+                placed.append(new)
+                return ids, np.concatenate(placed) if len(placed) > 1 else new
+            self._settle(new[won], fq[won], at[won])
+            placed.append(new[won])
+            lost = (~won).nonzero()[0]
+            twin = _rows_equal(
+                np.take(stored, owner[lost], axis=0), np.take(stored, new[lost], axis=0)
+            )
+            ids[where[lost[twin]]] = owner[lost[twin]]
+            # Twins share a home and a probe sequence, so they always meet in the round the
+            # first copy is placed; every other loser moves on to the next empty bucket.
+            retry = lost[~twin]
+            if not len(retry):
+                return ids, np.concatenate(placed)
+            new, fq, where = new[retry], fq[retry], where[retry]
+            at = self._next_free((at[retry] + 1) & wrap)
+
+    def _settle(self, new: np.ndarray, fq: np.ndarray, at: np.ndarray) -> None:
+        """Entries ``new`` own buckets ``at``: fingerprints, back links, home reaches."""
+        self._fp[at] = fq
+        self._bucket_of[new] = at
+        home = self._home(fq)
+        away = (at - home) & (len(self._fp) - 1)
+        if np.count_nonzero(away):
+            np.maximum.at(self._reach, home, away)
+
+    def _new_table(self, buckets: int) -> None:
+        self._fp = np.zeros(buckets, dtype=np.uint64)
+        self._ids = np.zeros(buckets, dtype=np.int64)
+        self._reach = np.zeros(buckets, dtype=np.int64)
+        self._shift = np.array(64 - buckets.bit_length() + 1, dtype=np.uint64)
+        self._removed = 0
 
     def _rebuild(self, live: int) -> None:
-        """New table of about ``_SPARE`` buckets per live entry; tombstones are dropped."""
+        """New table of about ``_SPARE`` buckets per live entry; reaches start afresh."""
         buckets = max(MIN_BUCKETS, 1 << (max(live, 1) * _SPARE - 1).bit_length())
-        entries = self._table[self._table >= 0]
-        self._table = np.full(buckets, EMPTY, dtype=np.int64)
-        self._shift = np.array(64 - buckets.bit_length() + 1, dtype=np.uint64)
-        self._tombstones = 0
+        occupied = self._fp != _EMPTY
+        entries, fq = self._ids[occupied], self._fp[occupied]
+        self._new_table(buckets)
         if entries.size:
-            self._place(entries, self._home(self._rows[entries]))
+            self._place(entries, fq, self._next_free(self._home(fq)))
 
     def _take_ids(self, m: int) -> np.ndarray:
         if self._num_free < m:

@@ -63,32 +63,36 @@ class Ledger:
         self.recency = Recency(self.index.capacity)
         self.slot = np.full(self.index.capacity + 1, NO_SLOT, dtype=np.int64)
         self.refs = np.zeros(self.index.capacity + 1, dtype=np.int64)
-        # Scratch, all zero / all -1 between calls: reference changes of the call, positions.
+        # Scratch: reference changes of a call (all zero between calls), batch positions.
         self._delta = np.zeros(self.index.capacity + 1, dtype=np.int64)
-        self._mark = np.full(self.index.capacity + 1, -1, dtype=np.int64)
+        self._mark = np.zeros(self.index.capacity + 1, dtype=np.int64)
         self._pool = pool
 
     def admit(self, batch: np.ndarray, retains: np.ndarray, releases: np.ndarray) -> Admission:
         """Apply one publication (key rows each); see the module docstring. Raises
         ``KeyError`` (nothing changed) if a key is released more often than it is held."""
         n, t = len(batch), len(retains)
-        if t or len(releases):
-            rows = np.concatenate((batch, retains, releases))
-        else:
-            rows = batch
+        rows = np.concatenate((batch, retains, releases)) if t or len(releases) else batch
         ids, created = self.index.find_or_insert(rows)
-        self._fit()
+        if self.index.capacity >= len(self.slot):
+            self._fit()
         held, let = ids[n : n + t], ids[n + t :]
-        final = self._check_releases(held, let, created) if let.size else None
+        final = self._check_releases(held, let, created) if len(let) else None
         slot, refs = self.slot, self.refs
 
         unique, last = self._dedup(ids[:n])
-        old = slot[unique]
-        replaced = (old >= 0) & (refs[unique] == 0)
-        if np.count_nonzero(replaced):
-            self._pool.push(old[replaced])
-        slot[unique[(old < 0) | replaced]] = PENDING
-        self.num_stored += np.count_nonzero(old == NO_SLOT)
+        if n:
+            old = slot[unique]
+            stored = old >= 0
+            kept = np.count_nonzero(stored)
+            if not kept:  # all new, or retained before their first publication
+                slot[unique] = PENDING
+            else:
+                replaced = stored & (refs[unique] == 0)
+                if np.count_nonzero(replaced):
+                    self._pool.push(old[replaced])
+                slot[unique[~stored | replaced]] = PENDING
+            self.num_stored += len(unique) - kept
 
         terminal = _NO_IDS
         if final is not None:
@@ -98,16 +102,21 @@ class Ledger:
         if t:
             self.recency.forget(held)
         keep_from = self.recency.clock + 1
-        self.recency.touch(unique[refs[unique] == 0], distinct=True)
+        if n:
+            self.recency.touch(unique[refs[unique] == 0], distinct=True)
         keep_to = self.recency.clock + 1
-        if terminal.size:
+        if len(terminal):
             stored = slot[terminal] != NO_SLOT
             self.recency.touch(terminal[stored], distinct=True)
             self.index.remove(terminal[~stored])  # no slot, no reference: gone
         excess = self.num_stored - self.num_slots
         if excess > 0:
             self._evict(excess, keep_from, keep_to)
+        if not n:
+            return Admission(_NO_IDS, _NO_IDS)
         waiting = slot[unique] == PENDING
+        if np.count_nonzero(waiting) == len(unique):
+            return Admission(unique, last)
         return Admission(unique[waiting], last[waiting])
 
     def assign(self, entries: np.ndarray, slots: np.ndarray) -> None:
@@ -139,25 +148,18 @@ class Ledger:
             self.slot = _grown(self.slot, size, NO_SLOT)
             self.refs = _grown(self.refs, size, 0)
             self._delta = _grown(self._delta, size, 0)
-            self._mark = _grown(self._mark, size, -1)
+            self._mark = _grown(self._mark, size, 0)
 
     def _dedup(self, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """Distinct ``ids`` in first-occurrence order, and the position of each one's last
         occurrence."""
-        positions = np.arange(len(ids))
-        # The last occurrence in the reversed batch is the first in the batch.
-        first = (self._last_positions(ids[::-1]) == positions)[::-1]
-        if np.count_nonzero(first) == len(ids):
+        positions = _positions(len(ids))
+        if _distinct(ids, positions, self._mark):
             return ids, positions
-        return ids[first], self._last_positions(ids)[first]
-
-    def _last_positions(self, ids: np.ndarray) -> np.ndarray:
-        """For each element of ``ids``, the position of that id's last occurrence."""
-        mark = self._mark
-        np.maximum.at(mark, ids, np.arange(len(ids)))
-        last = mark[ids]
-        mark[ids] = -1
-        return last
+        distinct, first = np.unique(ids, return_index=True)
+        last = len(ids) - 1 - np.unique(ids[::-1], return_index=True)[1]
+        order = np.argsort(first)
+        return distinct[order], last[order]
 
     def _check_releases(self, held: np.ndarray, let: np.ndarray, created: np.ndarray) -> np.ndarray:
         """Reference counts the released entries end with (``int64``, one per release).
@@ -187,7 +189,11 @@ class Ledger:
         refs[changed] += delta[changed]  # repeated ids all write the same sum
         delta[changed] = 0
         zero = let[final == 0]
-        return zero[self._last_positions(zero) == np.arange(len(zero))]
+        if _distinct(zero, _positions(len(zero)), self._mark):
+            return zero
+        # A key repeated here reaches zero at its last release: order by last occurrence.
+        distinct, reversed_at = np.unique(zero[::-1], return_index=True)
+        return distinct[np.argsort(-reversed_at)]
 
     def _evict(self, excess: int, keep_from: int, keep_to: int) -> None:
         victims = self.recency.evict(excess, keep_from, keep_to)
@@ -200,6 +206,26 @@ class Ledger:
         self.slot[victims] = NO_SLOT
         self.index.remove(victims)
         self.num_stored -= len(victims)
+
+
+_POSITIONS = np.arange(1024, dtype=np.int64)
+_POSITIONS.flags.writeable = False
+
+
+def _positions(n: int) -> np.ndarray:
+    """``arange(n)`` without allocating (a view of a shared, read-only array)."""
+    global _POSITIONS
+    if n > len(_POSITIONS):
+        _POSITIONS = np.arange(max(n, 2 * len(_POSITIONS)), dtype=np.int64)
+        _POSITIONS.flags.writeable = False
+    return _POSITIONS[:n]
+
+
+def _distinct(ids: np.ndarray, positions: np.ndarray, scratch: np.ndarray) -> bool:
+    """Whether no id repeats: each id writes its position into ``scratch``; a repeated id
+    keeps only one of its positions, so another occurrence reads back a different one."""
+    scratch[ids] = positions
+    return np.count_nonzero(scratch[ids] != positions) == 0
 
 
 def _grown(array: np.ndarray, size: int, fill: int) -> np.ndarray:

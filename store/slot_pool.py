@@ -20,6 +20,7 @@ class SlotPool:
         self._next_slot = 0
         self._unbound = np.zeros(physical, dtype=bool)
         self.num_unbound = 0
+        self._mark = np.zeros(physical, dtype=np.int64)  # scratch for the distinct check
 
     @property
     def physical(self) -> int:
@@ -32,6 +33,7 @@ class SlotPool:
         unbound = np.zeros(physical, dtype=bool)
         unbound[: len(self._unbound)] = self._unbound
         self._free, self._unbound = free, unbound
+        self._mark = np.zeros(physical, dtype=np.int64)
 
     def push(self, slots: np.ndarray) -> None:
         """Return slots to the free stack, in order."""
@@ -77,10 +79,11 @@ class SlotPool:
                 {s for s in arr.tolist() if not (0 <= s < len(self._unbound) and self._unbound[s])}
             )
             raise ValueError(f"slots: {stray} are not unbound slots from allocate()")
-        if n > 1:
-            ordered = np.sort(arr)
-            if np.count_nonzero(ordered[1:] == ordered[:-1]):
-                raise ValueError(f"slots: each slot may appear once, got {arr.tolist()}")
+        # A repeated slot keeps one of its positions in the scratch; another reads it back.
+        positions = np.arange(n)
+        self._mark[arr] = positions
+        if np.count_nonzero(self._mark[arr] != positions):
+            raise ValueError(f"slots: each slot may appear once, got {arr.tolist()}")
         return arr
 
     def settle(self, slots: np.ndarray) -> None:
