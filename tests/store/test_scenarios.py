@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 import r3capture.store.block_store as block_store
-from r3capture.store import BlockObjectStoreError, BlockStore
+from r3capture.store import BlockObjectStoreError, BlockStore, key_rows_from_strings
 
 NB = 4  # object_nbytes: small enough to spell payloads out
 
@@ -259,6 +259,86 @@ def test_missing_key_names_capacity_and_max_bytes():
 def test_bad_sizes_raise_value_error(kwargs, match):
     with pytest.raises(ValueError, match=match):
         BlockStore(**kwargs)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "name"),
+    [
+        ({"max_bytes": 16, "object_nbytes": 2.5, "reserve_slots": 1}, "object_nbytes"),
+        ({"max_bytes": 16.0, "object_nbytes": 4}, "max_bytes"),
+        ({"max_bytes": 16, "object_nbytes": 4, "reserve_slots": 1.5}, "reserve_slots"),
+        ({"max_bytes": True, "object_nbytes": 1}, "max_bytes"),
+        ({"max_bytes": 16, "object_nbytes": None}, "object_nbytes"),
+        ({"max_bytes": "16", "object_nbytes": 4}, "max_bytes"),
+    ],
+    ids=["float-size", "float-bytes", "float-reserve", "bool", "none", "str"],
+)
+def test_sizes_must_be_ints(kwargs, name):
+    """Before, BlockStore(max_bytes=16, object_nbytes=2.5, reserve_slots=1.5) truncated."""
+    with pytest.raises(TypeError, match=f"{name} must be an int"):
+        BlockStore(**kwargs)
+    assert BlockStore(max_bytes=np.int64(16), object_nbytes=np.int32(4)).num_slots == 4
+
+
+def test_rejected_out_leaves_recency_alone():
+    """get_array validates ``out`` before it refreshes recency (it used to refresh first)."""
+    store = make(capacity=3)
+    put(store, "abc")
+    with pytest.raises(ValueError, match="out"):
+        store.get_array(Ks("a"), out=np.empty((2, NB), np.uint8))
+    assert lru(store) == ["a", "b", "c"]
+    put(store, "d")  # a is still the next victim
+    assert keys_of(store) == {"b", "c", "d"}
+
+
+def test_key_rows_everywhere():
+    """Every method takes key rows; strings and rows name the same keys."""
+    store = make(capacity=3, reserve=2)
+    rows = key_rows_from_strings(Ks("abc"))
+    store.put_array(rows[:2], np.frombuffer(blk("a") + blk("b"), np.uint8).reshape(2, NB))
+    slots = store.allocate(1)
+    store.arena_np[slots] = np.frombuffer(blk("c"), np.uint8)
+    store.bind(rows[2:], slots, retain_keys=rows[[2, 2]], release_keys=rows[[2]])
+    assert store.get_array(rows[[1, 0]]).tobytes() == blk("b") + blk("a")
+    assert lru(store) == ["b", "a"]  # c is held; the read made b then a most recent
+    assert store.ref_count(rows[2]) == store.ref_count(K("c")) == 1
+    assert rows[0] in store and K("a") in store and store.peek_slot(rows[2]) == slots[0]
+    np.testing.assert_array_equal(store.lookup_slots(rows[[2]], held=True), slots)
+    assert lru(store) == ["b", "a"]
+    assert "a" not in store and "vllm-artifact/0/zz" not in store  # not keys: not stored
+    with pytest.raises(ValueError, match="key row"):
+        rows[:2] in store  # noqa: B015 - the membership test itself must raise
+    with pytest.raises(TypeError, match="key string or key row"):
+        store.ref_count(None)
+
+
+def test_failed_call_leaves_no_entries_behind():
+    """Keys first seen in a call that fails (bad release) must not linger in the index."""
+    store = make(capacity=3)
+    put(store, "a", retain="a")
+    entries = len(store._ledger.index)
+    with pytest.raises(KeyError, match=re.escape(f"{K('z')!r} released 1 time")):
+        put(store, "bc", retain="de", release="az")
+    assert len(store._ledger.index) == entries
+    assert keys_of(store) == {"a"} and store.ref_count(K("d")) == 0 and lru(store) == []
+    put(store, "bc", retain="d")
+    assert keys_of(store) == {"a", "b", "c"} and store.ref_count(K("d")) == 1
+
+
+def test_malformed_keys_change_nothing():
+    store = make(capacity=3, reserve=1)
+    put(store, "ab", retain="a")
+    slots = store.allocate(1)
+    for call in (
+        lambda: store.put([(K("c"), blk("c")), ("c", blk("c"))]),
+        lambda: store.put_array(Ks("c"), np.zeros((1, NB), np.uint8), release_keys=["a"]),
+        lambda: store.bind(Ks("c"), slots, retain_keys=[K("a"), "vllm-artifact/0/x"]),
+        lambda: store.get_array(Ks("a") + ["b"]),
+    ):
+        with pytest.raises(ValueError, match="is not a store key"):
+            call()
+        assert keys_of(store) == {"a", "b"} and lru(store) == ["b"]
+        assert store.ref_count(K("a")) == 1 and store.num_unbound == 1
 
 
 def test_payload_of_wrong_size_changes_nothing():
