@@ -160,24 +160,7 @@ class BlockStore:
         ``KeyError`` for a release of a key without a reference; nothing changes in any case.
         """
         self._check_open()
-        keys: list[str] = []
-        payloads: list[memoryview] = []
-        for i, (key, payload) in enumerate(objects):
-            view = memoryview(payload)
-            if view.nbytes != self.object_nbytes:
-                raise ValueError(
-                    f"objects[{i}] ({key!r}): payload has {view.nbytes} bytes, "
-                    f"expected object_nbytes={self.object_nbytes}"
-                )
-            keys.append(key)
-            payloads.append(view)
-        try:
-            rows = key_rows_from_strings(keys)
-        except ValueError as error:
-            raise ValueError(f"objects: {error}") from None
-        blocks = np.frombuffer(b"".join(payloads), dtype=np.uint8).reshape(
-            len(keys), self.object_nbytes
-        )
+        rows, blocks = objects_as_arrays(objects, self.object_nbytes)
         self._publish(rows, blocks, retain_keys, release_keys)
 
     def get_concatenated(self, keys: Sequence[str]) -> bytes:
@@ -200,7 +183,8 @@ class BlockStore:
         """
         self._check_open()
         rows = as_key_rows(keys)
-        self._publish(rows, self._as_blocks(blocks, len(rows)), retain_keys, release_keys)
+        blocks = as_blocks(blocks, len(rows), self.object_nbytes)
+        self._publish(rows, blocks, retain_keys, release_keys)
 
     def get_array(self, keys: Keys, out: np.ndarray | None = None) -> np.ndarray:
         """Gather the blocks of ``keys`` into ``uint8 [len(keys), object_nbytes]`` in one copy.
@@ -211,7 +195,7 @@ class BlockStore:
         """
         self._check_open()
         rows = as_key_rows(keys)
-        blocks = None if out is None else self._as_blocks(out, len(rows), name="out")
+        blocks = None if out is None else as_blocks(out, len(rows), self.object_nbytes, name="out")
         slots = self._slots_of(rows, touch=True)
         if blocks is None:
             return self._arena_np[slots]
@@ -315,7 +299,7 @@ class BlockStore:
         a key is not stored."""
         self._check_open()
         try:
-            row = self._one_row(key)
+            row = key_row(key)
         except ValueError:
             if isinstance(key, str):
                 return False
@@ -330,7 +314,7 @@ class BlockStore:
     def ref_count(self, key: str | np.ndarray) -> int:
         """References held on ``key`` (introspection; does not touch recency)."""
         self._check_open()
-        return int(self._ledger.refs[self._ledger.entry(self._one_row(key))])
+        return int(self._ledger.refs[self._ledger.entry(key_row(key))])
 
     def eviction_order(self) -> list[str]:
         """Unreferenced keys, next victim first (introspection; does not touch recency)."""
@@ -340,7 +324,7 @@ class BlockStore:
     def peek_slot(self, key: str | np.ndarray) -> int | None:
         """Slot of ``key`` or None (introspection; does not touch recency)."""
         self._check_open()
-        slot = int(self._ledger.slot[self._ledger.entry(self._one_row(key))])
+        slot = int(self._ledger.slot[self._ledger.entry(key_row(key))])
         return slot if slot >= 0 else None
 
     def close(self) -> None:
@@ -356,45 +340,12 @@ class BlockStore:
         if self._arena is None:
             raise RuntimeError("auxiliary output store is closed")
 
-    @staticmethod
-    def _one_row(key: object) -> np.ndarray:
-        """One key (a string or a ``uint64 [KEY_WORDS]`` row) as a row."""
-        if isinstance(key, np.ndarray):
-            if key.shape != (KEY_WORDS,):
-                raise ValueError(f"key: expected one key row [{KEY_WORDS}], got {key.shape}")
-            return as_key_rows(key.reshape(1, KEY_WORDS), name="key")[0]
-        if not isinstance(key, str):
-            raise TypeError(f"key: expected a key string or key row, got {type(key).__name__}")
-        return as_key_rows([key], name="key")[0]
-
-    def _as_blocks(self, array: np.ndarray, n: int, name: str = "blocks") -> np.ndarray:
-        """``array`` as ``uint8 [n, object_nbytes]`` without copying."""
-        arr = np.asarray(array)
-        if arr.dtype is _UINT8 and arr.ndim > 1 and arr.shape[0] == n > 0:
-            if arr.flags.c_contiguous and arr.size == n * self.object_nbytes:
-                return arr.reshape(n, self.object_nbytes)
-        if arr.dtype.hasobject or not arr.flags.c_contiguous:
-            raise ValueError(f"{name}: expected a C-contiguous numeric array, got {arr.dtype}")
-        expected = n * self.object_nbytes
-        if arr.nbytes != expected or arr.ndim == 0 or arr.shape[0] != n:
-            raise ValueError(
-                f"{name}: expected leading dimension {n} and {n} x {self.object_nbytes} = "
-                f"{expected} bytes, got shape {arr.shape} {arr.dtype} ({arr.nbytes} bytes)"
-            )
-        return arr.reshape(-1).view(np.uint8).reshape(n, self.object_nbytes)
-
     def _slots_of(self, rows: np.ndarray, *, touch: bool) -> np.ndarray:
         slots = self._ledger.lookup(rows, touch=touch)
         missing = slots < 0
         if np.count_nonzero(missing):
             key = key_string(rows[np.argmax(missing)])
-            raise BlockObjectStoreError(
-                f"auxiliary output object {key!r} does not exist; it may have been "
-                f"evicted (used={len(self)}, limit={self.num_slots} objects of "
-                f"{self.object_nbytes} bytes). Raise the aux_output max_bytes, e.g. "
-                f"--aux-output-config '{{\"max_bytes\": N}}' with N > "
-                f"{self.num_slots * self.object_nbytes}, when a KV cache hit needs it."
-            )
+            raise missing_key_error(key, len(self), self.num_slots, self.object_nbytes)
         return slots
 
     def _publish(
@@ -448,3 +399,68 @@ class BlockStore:
         self._ledger.num_slots = num_slots
         self._pool.grow(num_slots + self.reserve_slots)
         self.arena_version += 1
+
+
+def key_row(key: object) -> np.ndarray:
+    """One key (a vLLM key string or a ``uint64 [KEY_WORDS]`` row) as a row."""
+    if isinstance(key, np.ndarray):
+        if key.shape != (KEY_WORDS,):
+            raise ValueError(f"key: expected one key row [{KEY_WORDS}], got {key.shape}")
+        return as_key_rows(key.reshape(1, KEY_WORDS), name="key")[0]
+    if not isinstance(key, str):
+        raise TypeError(f"key: expected a key string or key row, got {type(key).__name__}")
+    return as_key_rows([key], name="key")[0]
+
+
+def as_blocks(array: np.ndarray, n: int, object_nbytes: int, name: str = "blocks") -> np.ndarray:
+    """``array`` as ``uint8 [n, object_nbytes]`` without copying; ``ValueError`` naming
+    ``name`` unless it is C-contiguous, numeric, with leading dimension ``n`` and exactly
+    ``n * object_nbytes`` bytes."""
+    arr = np.asarray(array)
+    if arr.dtype is _UINT8 and arr.ndim > 1 and arr.shape[0] == n > 0:
+        if arr.flags.c_contiguous and arr.size == n * object_nbytes:
+            return arr.reshape(n, object_nbytes)
+    if arr.dtype.hasobject or not arr.flags.c_contiguous:
+        raise ValueError(f"{name}: expected a C-contiguous numeric array, got {arr.dtype}")
+    expected = n * object_nbytes
+    if arr.nbytes != expected or arr.ndim == 0 or arr.shape[0] != n:
+        raise ValueError(
+            f"{name}: expected leading dimension {n} and {n} x {object_nbytes} = "
+            f"{expected} bytes, got shape {arr.shape} {arr.dtype} ({arr.nbytes} bytes)"
+        )
+    return arr.reshape(-1).view(np.uint8).reshape(n, object_nbytes)
+
+
+def missing_key_error(key: str, used: int, num_slots: int, object_nbytes: int) -> Exception:
+    """vLLM's error type for a block that is not stored, saying which setting to raise."""
+    return BlockObjectStoreError(
+        f"auxiliary output object {key!r} does not exist; it may have been "
+        f"evicted (used={used}, limit={num_slots} objects of "
+        f"{object_nbytes} bytes). Raise the aux_output max_bytes, e.g. "
+        f"--aux-output-config '{{\"max_bytes\": N}}' with N > "
+        f"{num_slots * object_nbytes}, when a KV cache hit needs it."
+    )
+
+
+def objects_as_arrays(
+    objects: Iterable[tuple[str, Any]], object_nbytes: int
+) -> tuple[np.ndarray, np.ndarray]:
+    """``put``'s ``(key string, payload)`` pairs as key rows and ``uint8 [n, object_nbytes]``
+    blocks; ``ValueError`` naming the first malformed key or payload of the wrong size."""
+    keys: list[str] = []
+    payloads: list[memoryview] = []
+    for i, (key, payload) in enumerate(objects):
+        view = memoryview(payload)
+        if view.nbytes != object_nbytes:
+            raise ValueError(
+                f"objects[{i}] ({key!r}): payload has {view.nbytes} bytes, "
+                f"expected object_nbytes={object_nbytes}"
+            )
+        keys.append(key)
+        payloads.append(view)
+    try:
+        rows = key_rows_from_strings(keys)
+    except ValueError as error:
+        raise ValueError(f"objects: {error}") from None
+    blocks = np.frombuffer(b"".join(payloads), dtype=np.uint8)
+    return rows, blocks.reshape(len(keys), object_nbytes)

@@ -13,11 +13,13 @@ word, then a xor-shift-multiply round, so every input bit reaches the top bits);
 is its top bits, so keys that differ in one byte (a counter in the last byte of the hash) spread
 over the table as evenly as random ones.
 
-A lookup compares fingerprints at the home bucket; only a key whose home has a reach probes on,
-``WINDOW`` buckets per round, up to that reach. So a miss usually costs one bucket, and a
-removal simply empties its bucket (a lookup never stops at an empty bucket, so no tombstones are
-needed). Every fingerprint hit is confirmed by comparing the full row; a fingerprint shared by
-two rows (a 64-bit hash collision) falls back to comparing rows bucket by bucket.
+A lookup compares fingerprints at the home bucket (and at the next one when some key is not at
+home: a key inserted while its home was taken usually sits there); only a key whose home has a
+longer reach probes on, ``WINDOW`` buckets per round, up to that reach. So a miss usually costs
+one bucket, and a removal simply empties its bucket (a lookup never stops at an empty bucket, so
+no tombstones are needed). Every fingerprint hit is confirmed by comparing the full row; a
+fingerprint shared by two rows (a 64-bit hash collision) falls back to comparing rows bucket by
+bucket.
 
 Reaches only grow between rebuilds. The table is rebuilt when live entries plus the removals
 since the last rebuild (counted like tombstones) pass half of it, or when live entries fall
@@ -128,17 +130,21 @@ class KeyIndex:
         entry). Returns ``(ids, created)``: ``created`` lists the new entry ids."""
         h = bucket_hash(rows)
         fq = h | _ONE
-        ids = self._find(rows, fq, (h >> self._shift).view(np.int64))
+        home = (h >> self._shift).view(np.int64)
+        ids = self._find(rows, fq, home)
         missing = (ids < 0).nonzero()[0]
         if not missing.size:
             return ids, _NO_IDS
         m = len(missing)
+        fq = fq[missing]
         if (self._live + self._removed + m) * _MAX_LOAD > len(self._fp):
             self._rebuild(self._live + m)
+            home = self._home(fq)
+        else:
+            home = home[missing]
         new = self._take_ids(m)
         self._rows[new] = np.take(rows, missing, axis=0)
-        fq = fq[missing]
-        placed, created = self._place(new, fq, self._next_free(self._home(fq)))
+        placed, created = self._place(new, fq, home, self._next_free(home.copy()))
         if len(created) < m:
             # A key repeated in the batch took one entry; its other ids go back unused.
             self._push_free(np.setdiff1d(new, created, assume_unique=True))
@@ -164,17 +170,23 @@ class KeyIndex:
     def _find(self, rows: np.ndarray, fq: np.ndarray, home: np.ndarray) -> np.ndarray:
         f = self._fp[home]
         hit = f == fq
-        found = self._ids[home]
-        # Every fingerprint hit is confirmed with the full row. (np.take gathers rows
-        # several times faster than indexing with [] does.)
+        # Every fingerprint hit is confirmed with the full row (np.take gathers rows several
+        # times faster than [] does).
         if np.count_nonzero(hit) == len(rows):  # every key in its home bucket: usual for hits
+            found = self._ids[home]
             same = np.count_nonzero(np.take(self._rows, found, axis=0) != rows) == 0
         else:
+            # A key that is not at home is most often in the next bucket (it was inserted
+            # while its home was taken): look there before probing on.
+            after = (home + 1) & (len(self._fp) - 1)
+            hit_after = self._fp[after] == fq
+            found = self._ids[np.where(hit, home, after)]
+            hit |= hit_after
             found[~hit] = _ABSENT
             reach = self._reach[home]
-            far = (~hit & (reach > 0)).nonzero()[0]
+            far = (~hit & (reach > 1)).nonzero()[0]
             if far.size:
-                key, ids = self._probe(fq[far], home[far], reach[far])
+                key, ids = self._probe(fq[far], after[far], reach[far] - 1)
                 found[far[key]] = ids
             hits = found >= 0
             differs = _rows_differ(np.take(self._rows, found, axis=0), rows)
@@ -233,12 +245,12 @@ class KeyIndex:
         return found
 
     def _place(
-        self, new: np.ndarray, fq: np.ndarray, at: np.ndarray
+        self, new: np.ndarray, fq: np.ndarray, home: np.ndarray, at: np.ndarray
     ) -> tuple[np.ndarray, np.ndarray]:
-        """Put entries ``new`` (rows written, fingerprints ``fq``) into the table, trying
-        empty buckets ``at`` first. An entry whose row equals that of an entry placed in the
-        same round (the same key twice) takes that entry's id instead. Returns (id per
-        entry, entries placed)."""
+        """Put entries ``new`` (rows written, fingerprints ``fq``, home buckets ``home``)
+        into the table, trying empty buckets ``at`` first. An entry whose row equals that of
+        an entry placed in the same round (the same key twice) takes that entry's id
+        instead. Returns (id per entry, entries placed)."""
         table, stored, wrap = self._ids, self._rows, len(self._fp) - 1
         ids = new.copy()
         placed = []
@@ -248,10 +260,10 @@ class KeyIndex:
             owner = table[at]  # one claimant per bucket wins, whichever numpy wrote last
             won = owner == new
             if np.count_nonzero(won) == len(new):
-                self._settle(new, fq, at)
+                self._settle(new, fq, home, at)
                 placed.append(new)
                 return ids, np.concatenate(placed) if len(placed) > 1 else new
-            self._settle(new[won], fq[won], at[won])
+            self._settle(new[won], fq[won], home[won], at[won])
             placed.append(new[won])
             lost = (~won).nonzero()[0]
             twin = _rows_equal(
@@ -263,14 +275,13 @@ class KeyIndex:
             retry = lost[~twin]
             if not len(retry):
                 return ids, np.concatenate(placed)
-            new, fq, where = new[retry], fq[retry], where[retry]
+            new, fq, home, where = new[retry], fq[retry], home[retry], where[retry]
             at = self._next_free((at[retry] + 1) & wrap)
 
-    def _settle(self, new: np.ndarray, fq: np.ndarray, at: np.ndarray) -> None:
+    def _settle(self, new: np.ndarray, fq: np.ndarray, home: np.ndarray, at: np.ndarray) -> None:
         """Entries ``new`` own buckets ``at``: fingerprints, back links, home reaches."""
         self._fp[at] = fq
         self._bucket_of[new] = at
-        home = self._home(fq)
         away = (at - home) & (len(self._fp) - 1)
         if np.count_nonzero(away):
             np.maximum.at(self._reach, home, away)
@@ -289,7 +300,8 @@ class KeyIndex:
         entries, fq = self._ids[occupied], self._fp[occupied]
         self._new_table(buckets)
         if entries.size:
-            self._place(entries, fq, self._next_free(self._home(fq)))
+            home = self._home(fq)
+            self._place(entries, fq, home, self._next_free(home.copy()))
 
     def _take_ids(self, m: int) -> np.ndarray:
         if self._num_free < m:

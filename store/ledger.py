@@ -32,6 +32,7 @@ import numpy as np
 
 from r3capture.store.key_index import KeyIndex
 from r3capture.store.keys import key_string
+from r3capture.store.positions import positions as _positions
 from r3capture.store.recency import Recency
 from r3capture.store.slot_pool import SlotPool
 
@@ -206,19 +207,6 @@ class Ledger:
         self.slot[victims] = NO_SLOT
         self.index.remove(victims)
         self.num_stored -= len(victims)
-
-
-_POSITIONS = np.arange(1024, dtype=np.int64)
-_POSITIONS.flags.writeable = False
-
-
-def _positions(n: int) -> np.ndarray:
-    """``arange(n)`` without allocating (a view of a shared, read-only array)."""
-    global _POSITIONS
-    if n > len(_POSITIONS):
-        _POSITIONS = np.arange(max(n, 2 * len(_POSITIONS)), dtype=np.int64)
-        _POSITIONS.flags.writeable = False
-    return _POSITIONS[:n]
 
 
 def _distinct(ids: np.ndarray, positions: np.ndarray, scratch: np.ndarray) -> bool:

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from r3capture.store.positions import positions as _positions
+
 
 class SlotPool:
     """Free and unbound slots of an arena of ``physical`` slots (all arrays sized to it)."""
@@ -80,7 +82,7 @@ class SlotPool:
             )
             raise ValueError(f"slots: {stray} are not unbound slots from allocate()")
         # A repeated slot keeps one of its positions in the scratch; another reads it back.
-        positions = np.arange(n)
+        positions = _positions(n)
         self._mark[arr] = positions
         if np.count_nonzero(self._mark[arr] != positions):
             raise ValueError(f"slots: each slot may appear once, got {arr.tolist()}")
