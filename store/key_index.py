@@ -13,13 +13,12 @@ word, then a xor-shift-multiply round, so every input bit reaches the top bits);
 is its top bits, so keys that differ in one byte (a counter in the last byte of the hash) spread
 over the table as evenly as random ones.
 
-A lookup compares fingerprints at the home bucket (and at the next one when some key is not at
-home: a key inserted while its home was taken usually sits there); only a key whose home has a
-longer reach probes on, ``WINDOW`` buckets per round, up to that reach. So a miss usually costs
-one bucket, and a removal simply empties its bucket (a lookup never stops at an empty bucket, so
-no tombstones are needed). Every fingerprint hit is confirmed by comparing the full row; a
-fingerprint shared by two rows (a 64-bit hash collision) falls back to comparing rows bucket by
-bucket.
+A lookup compares fingerprints at the home bucket; only a key whose home has a reach looks
+further: at the next bucket (a key inserted while its home was taken usually sits there), then
+``WINDOW`` buckets per round up to that reach. So a miss usually costs one bucket, and a removal
+simply empties its bucket (a lookup never stops at an empty bucket, so no tombstones are
+needed). Every fingerprint hit is confirmed by comparing the full row; a fingerprint shared by
+two rows (a 64-bit hash collision) falls back to comparing rows bucket by bucket.
 
 Reaches only grow between rebuilds. The table is rebuilt when live entries plus the removals
 since the last rebuild (counted like tombstones) pass half of it, or when live entries fall
@@ -78,11 +77,6 @@ def bucket_hash(rows: np.ndarray) -> np.ndarray:
 def _rows_equal(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     """Row-wise equality of two ``uint64 [m, KEY_WORDS]`` arrays (``bool [m]``)."""
     return ((a == b).view(np.uint8) @ _ONES) == KEY_WORDS
-
-
-def _rows_differ(a: np.ndarray, b: np.ndarray) -> np.ndarray:
-    """How many words differ per row (``uint8 [m]``; 0 where the rows are equal)."""
-    return (a != b).view(np.uint8) @ _ONES
 
 
 class KeyIndex:
@@ -168,50 +162,50 @@ class KeyIndex:
         return (fq >> self._shift).view(np.int64)
 
     def _find(self, rows: np.ndarray, fq: np.ndarray, home: np.ndarray) -> np.ndarray:
-        f = self._fp[home]
-        hit = f == fq
+        hit = self._fp[home] == fq
+        found = self._ids[home]
         # Every fingerprint hit is confirmed with the full row (np.take gathers rows several
         # times faster than [] does).
         if np.count_nonzero(hit) == len(rows):  # every key in its home bucket: usual for hits
-            found = self._ids[home]
             same = np.count_nonzero(np.take(self._rows, found, axis=0) != rows) == 0
         else:
-            # A key that is not at home is most often in the next bucket (it was inserted
-            # while its home was taken): look there before probing on.
-            after = (home + 1) & (len(self._fp) - 1)
-            hit_after = self._fp[after] == fq
-            found = self._ids[np.where(hit, home, after)]
-            hit |= hit_after
             found[~hit] = _ABSENT
+            # Only a home with a reach can have its keys elsewhere: a new key's rarely does.
             reach = self._reach[home]
-            far = (~hit & (reach > 1)).nonzero()[0]
+            far = (~hit & (reach > 0)).nonzero()[0]
             if far.size:
-                key, ids = self._probe(fq[far], after[far], reach[far] - 1)
+                key, ids = self._probe(fq[far], home[far], reach[far])
                 found[far[key]] = ids
-            hits = found >= 0
-            differs = _rows_differ(np.take(self._rows, found, axis=0), rows)
-            same = np.count_nonzero(differs[hits]) == 0
+            differs = np.take(self._rows, found, axis=0) != rows
+            same = np.count_nonzero(differs[found >= 0]) == 0
         return found if same else self._find_exact(rows, home)
 
     def _probe(
-        self, fq: np.ndarray, start: np.ndarray, reach: np.ndarray
+        self, fq: np.ndarray, home: np.ndarray, reach: np.ndarray
     ) -> tuple[np.ndarray, np.ndarray]:
-        """Keys not in their home bucket ``start``, probed ``WINDOW`` buckets past it per
-        round until the home's ``reach``. Returns (positions in ``fq`` of the keys found,
-        their entry ids)."""
+        """Keys not in their home bucket, looked for up to their home's ``reach`` past it.
+        Returns (positions in ``fq`` of the keys found, their entry ids)."""
         fp, wrap = self._fp, len(self._fp) - 1
-        window = (start[:, None] + _NEXT) & wrap  # [m, WINDOW]
-        match = (fp[window] == fq[:, None]).ravel().nonzero()[0]
-        key, found = match >> _WINDOW_BITS, self._ids[window.ravel()[match]]
-        more = reach > WINDOW
-        if not np.count_nonzero(more):
+        # A key inserted while its home was taken usually sits in the next bucket.
+        after = (home + 1) & wrap
+        hit = fp[after] == fq
+        key = hit.nonzero()[0]
+        found = self._ids[after[key]]
+        rest = (~hit & (reach > 1)).nonzero()[0]
+        if not rest.size:
             return key, found
-        more[key] = False  # found already
-        if not np.count_nonzero(more):
-            return key, found
-        rest = more.nonzero()[0]
-        rest_key, rest_found = self._probe(fq[rest], window[rest, -1], reach[rest] - WINDOW)
-        return np.concatenate((key, rest[rest_key])), np.concatenate((found, rest_found))
+        start, reach, todo = after[rest], reach[rest] - 1, rest
+        keys, founds = [key], [found]
+        while True:
+            window = (start[:, None] + _NEXT) & wrap  # [m, WINDOW]
+            match = (fp[window] == fq[todo, None]).ravel().nonzero()[0]
+            keys.append(todo[match >> _WINDOW_BITS])
+            founds.append(self._ids[window.ravel()[match]])
+            more = reach > WINDOW
+            more[match >> _WINDOW_BITS] = False
+            if not np.count_nonzero(more):
+                return np.concatenate(keys), np.concatenate(founds)
+            start, reach, todo = window[more, -1], reach[more] - WINDOW, todo[more]
 
     def _next_free(self, start: np.ndarray) -> np.ndarray:
         """First empty bucket from ``start`` on (inclusive)."""

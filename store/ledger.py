@@ -41,7 +41,7 @@ PENDING = -2
 _NO_IDS = np.empty(0, dtype=np.int64)
 
 
-@dataclass(frozen=True)
+@dataclass
 class Admission:
     """Batch keys that need a slot, in first-occurrence order."""
 
@@ -103,8 +103,9 @@ class Ledger:
         if t:
             self.recency.forget(held)
         keep_from = self.recency.clock + 1
-        if n:
-            self.recency.touch(unique[refs[unique] == 0], distinct=True)
+        unreferenced = refs[unique] == 0
+        if np.count_nonzero(unreferenced):
+            self.recency.touch(unique[unreferenced], distinct=True)
         keep_to = self.recency.clock + 1
         if len(terminal):
             stored = slot[terminal] != NO_SLOT
@@ -112,7 +113,8 @@ class Ledger:
             self.index.remove(terminal[~stored])  # no slot, no reference: gone
         excess = self.num_stored - self.num_slots
         if excess > 0:
-            self._evict(excess, keep_from, keep_to)
+            # Only a terminal batch key can be evicted before it has a slot.
+            self._evict(excess, keep_from, keep_to, pending=n > 0 and len(terminal) > 0)
         if not n:
             return Admission(_NO_IDS, _NO_IDS)
         waiting = slot[unique] == PENDING
@@ -155,7 +157,7 @@ class Ledger:
         """Distinct ``ids`` in first-occurrence order, and the position of each one's last
         occurrence."""
         positions = _positions(len(ids))
-        if _distinct(ids, positions, self._mark):
+        if len(ids) < 2 or _distinct(ids, positions, self._mark):
             return ids, positions
         distinct, first = np.unique(ids, return_index=True)
         last = len(ids) - 1 - np.unique(ids[::-1], return_index=True)[1]
@@ -196,12 +198,13 @@ class Ledger:
         distinct, reversed_at = np.unique(zero[::-1], return_index=True)
         return distinct[np.argsort(-reversed_at)]
 
-    def _evict(self, excess: int, keep_from: int, keep_to: int) -> None:
+    def _evict(self, excess: int, keep_from: int, keep_to: int, *, pending: bool) -> None:
+        """Evict up to ``excess`` entries; ``pending``: some victims may be PENDING."""
         victims = self.recency.evict(excess, keep_from, keep_to)
         if not victims.size:
             return
         slots = self.slot[victims]
-        freed = slots[slots >= 0]  # PENDING victims never had a slot
+        freed = slots[slots >= 0] if pending else slots  # PENDING victims never had a slot
         if freed.size:
             self._pool.push(freed)
         self.slot[victims] = NO_SLOT

@@ -69,7 +69,8 @@ class SlotPool:
         arr = np.asarray(slots)
         if arr.ndim != 1 or (arr.size and arr.dtype.kind not in "iu"):
             raise ValueError(f"slots: expected a 1-D integer array, got {arr.shape} {arr.dtype}")
-        arr = arr.astype(np.int64, copy=False)
+        if arr.dtype != np.int64:
+            arr = arr.astype(np.int64)
         n = len(arr)
         # Negative slots turn into huge unsigned ones and fail the bounds check with the rest.
         try:
