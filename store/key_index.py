@@ -20,10 +20,12 @@ simply empties its bucket (a lookup never stops at an empty bucket, so no tombst
 needed). Every fingerprint hit is confirmed by comparing the full row; a fingerprint shared by
 two rows (a 64-bit hash collision) falls back to comparing rows bucket by bucket.
 
-Reaches only grow between rebuilds. The table is rebuilt when live entries plus the removals
-since the last rebuild (counted like tombstones) pass half of it, or when live entries fall
-below a sixteenth of it: probe reaches stay short and the table stays within a constant factor
-of the live entries.
+Reaches only grow between rebuilds. The table is rebuilt (to about eight buckets per live
+entry) when live entries plus the removals since the last rebuild (counted like tombstones)
+pass a quarter of it, or when live entries fall below a thirty-second of it. So at most a
+quarter of the buckets are taken: about one key in eight sits past its home, probe reaches stay
+short, and the table stays within a constant factor of the live entries (4 to 32 buckets of 24
+bytes per live entry).
 """
 
 from __future__ import annotations
@@ -39,9 +41,9 @@ assert 1 << _WINDOW_BITS == WINDOW
 
 _ABSENT = -1
 _EMPTY = np.uint64(0)
-_MAX_LOAD = 2  # rebuild when (live + removed) * _MAX_LOAD > buckets
-_SHRINK_LOAD = 16  # rebuild smaller when live * _SHRINK_LOAD < buckets
-_SPARE = 4  # a rebuilt table has about _SPARE buckets per live entry
+_MAX_LOAD = 4  # rebuild when (live + removed) * _MAX_LOAD > buckets
+_SHRINK_LOAD = 32  # rebuild smaller when live * _SHRINK_LOAD < buckets
+_SPARE = 8  # a rebuilt table has about _SPARE buckets per live entry
 
 # One odd multiplier per word, then a multiplier from the splitmix64 finalizer. 0-d arrays keep
 # the arithmetic in uint64 without converting a Python int on every call.
@@ -60,7 +62,6 @@ _HALF = np.array(32, dtype=np.uint64)
 _ONE = np.array(1, dtype=np.uint64)
 _ONES = np.ones(KEY_WORDS, dtype=np.uint8)
 _NEXT = np.arange(1, WINDOW + 1, dtype=np.int64)  # window offsets past a bucket
-_FROM = np.arange(WINDOW, dtype=np.int64)  # window offsets from a bucket on
 _NO_IDS = np.empty(0, dtype=np.int64)
 assert len(_WORD_MULTIPLIERS) == KEY_WORDS
 
@@ -77,6 +78,11 @@ def bucket_hash(rows: np.ndarray) -> np.ndarray:
 def _rows_equal(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     """Row-wise equality of two ``uint64 [m, KEY_WORDS]`` arrays (``bool [m]``)."""
     return ((a == b).view(np.uint8) @ _ONES) == KEY_WORDS
+
+
+def _rows_differ(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """How many words differ per row (``uint8 [m]``; 0 where the rows are equal)."""
+    return (a != b).view(np.uint8) @ _ONES
 
 
 class KeyIndex:
@@ -176,7 +182,7 @@ class KeyIndex:
             if far.size:
                 key, ids = self._probe(fq[far], home[far], reach[far])
                 found[far[key]] = ids
-            differs = np.take(self._rows, found, axis=0) != rows
+            differs = _rows_differ(np.take(self._rows, found, axis=0), rows)
             same = np.count_nonzero(differs[found >= 0]) == 0
         return found if same else self._find_exact(rows, home)
 
@@ -208,21 +214,17 @@ class KeyIndex:
             start, reach, todo = window[more, -1], reach[more] - WINDOW, todo[more]
 
     def _next_free(self, start: np.ndarray) -> np.ndarray:
-        """First empty bucket from ``start`` on (inclusive)."""
+        """First empty bucket from ``start`` on (inclusive), per key."""
         fp, wrap = self._fp, len(self._fp) - 1
-        if np.count_nonzero(fp[start]) == 0:
+        taken = fp[start] != _EMPTY
+        if not np.count_nonzero(taken):
             return start  # every start is empty: the usual case at half load or less
         free = start.copy()
-        todo = np.arange(len(start))
+        todo = taken.nonzero()[0]
         while todo.size:
-            window = (start[todo, None] + _FROM) & wrap
-            empty = fp[window] == _EMPTY
-            first = empty.argmax(axis=1)
-            flat = np.arange(0, len(todo) * WINDOW, WINDOW) + first
-            done = empty.ravel()[flat]
-            free[todo[done]] = window.ravel()[flat][done]
-            start[todo] += WINDOW
-            todo = todo[~done]
+            at = (free[todo] + 1) & wrap
+            free[todo] = at
+            todo = todo[fp[at] != _EMPTY]
         return free
 
     def _find_exact(self, rows: np.ndarray, home: np.ndarray) -> np.ndarray:

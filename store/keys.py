@@ -31,6 +31,8 @@ _ROW_BYTES = KEY_WORDS * 8
 _WORD = np.dtype("<u8")
 _PREFIX = "vllm-artifact/"
 _PREFIX_BYTES = np.frombuffer(_PREFIX.encode(), dtype=np.uint8)
+_NO_ROWS = np.zeros((0, KEY_WORDS), dtype=_WORD)
+_NO_ROWS.flags.writeable = False
 # Canonical form only (no leading zeros, lowercase hex), so that key_string(parse(s)) == s.
 # The hex digits' count must also be even (checked apart: a repeated pair group is 5x slower).
 _KEY_RE = re.compile(r"vllm-artifact/(0|[1-9][0-9]{0,16})/([0-9a-f]{2,64})")
@@ -121,6 +123,8 @@ def as_key_rows(keys: np.ndarray | Iterable[str], name: str = "keys") -> np.ndar
         return keys if keys.flags.c_contiguous else np.ascontiguousarray(keys)
     if isinstance(keys, (str, bytes)):
         raise TypeError(f"{name}: expected key rows or a sequence of key strings, got one string")
+    if keys == ():
+        return _NO_ROWS  # the default of every retain_keys / release_keys argument
     try:
         return key_rows_from_strings(keys)
     except ValueError as error:

@@ -78,14 +78,23 @@ class Recency:
         cut = tail
         if keep_from < keep_to:
             cut = head + int(np.searchsorted(self._stamps[head:tail], keep_from))
-        found: list[np.ndarray] = []
-        need, self._head = self._scan(head, cut, excess, found)
-        if need and cut < tail:
-            resume = head + int(np.searchsorted(self._stamps[head:tail], keep_to))
-            self._scan(resume, tail, need, found)
-        if not found:
-            return _NO_IDS
-        victims = np.concatenate(found) if len(found) > 1 else found[0]
+        # Usually the oldest pairs hold enough live ones: one look at them.
+        stop = min(cut, head + 2 * excess + _MIN_FIFO)
+        ids = self._ids[head:stop]
+        live = (self.stamp[ids] == self._stamps[head:stop]).nonzero()[0]
+        if len(live) >= excess:
+            taken = live[:excess]
+            self._head = head + int(taken[-1]) + 1
+            victims = ids[taken]
+        else:
+            found = [ids[live]] if len(live) else []
+            need, self._head = self._scan(stop, cut, excess - len(live), found)
+            if need and cut < tail:
+                resume = head + int(np.searchsorted(self._stamps[head:tail], keep_to))
+                self._scan(resume, tail, need, found)
+            if not found:
+                return _NO_IDS
+            victims = np.concatenate(found) if len(found) > 1 else found[0]
         self.stamp[victims] = 0
         return victims
 
