@@ -13,12 +13,12 @@ word, then a xor-shift-multiply round, so every input bit reaches the top bits);
 is its top bits, so keys that differ in one byte (a counter in the last byte of the hash) spread
 over the table as evenly as random ones.
 
-A lookup compares fingerprints at the home bucket; only a key whose home has a reach looks
-further: at the next bucket (a key inserted while its home was taken usually sits there), then
-``WINDOW`` buckets per round up to that reach. So a miss usually costs one bucket, and a removal
-simply empties its bucket (a lookup never stops at an empty bucket, so no tombstones are
-needed). Every fingerprint hit is confirmed by comparing the full row; a fingerprint shared by
-two rows (a 64-bit hash collision) falls back to comparing rows bucket by bucket.
+A lookup compares fingerprints at the home bucket; only keys whose home has a reach look
+further, all of them at once over as many buckets as the largest of those reaches (a handful at
+this load). So a miss usually costs one bucket, and a removal simply empties its bucket (a
+lookup never stops at an empty bucket, so no tombstones are needed). Every fingerprint hit is
+confirmed by comparing the full row; a fingerprint shared by two rows (a 64-bit hash collision)
+falls back to comparing rows bucket by bucket.
 
 Reaches only grow between rebuilds. The table is rebuilt (to about eight buckets per live
 entry) when live entries plus the removals since the last rebuild (counted like tombstones)
@@ -33,11 +33,10 @@ from __future__ import annotations
 import numpy as np
 
 from r3capture.store.keys import KEY_WORDS
+from r3capture.store.positions import positions as _positions
 
 MIN_BUCKETS = 16
-WINDOW = 4  # buckets looked at per key and probe round past the home bucket
-_WINDOW_BITS = 2
-assert 1 << _WINDOW_BITS == WINDOW
+_SPAN = 64  # most buckets looked at per key and probe round past the home bucket
 
 _ABSENT = -1
 _EMPTY = np.uint64(0)
@@ -61,7 +60,6 @@ _MIX = np.array(0xBF58476D1CE4E5B9, dtype=np.uint64)
 _HALF = np.array(32, dtype=np.uint64)
 _ONE = np.array(1, dtype=np.uint64)
 _ONES = np.ones(KEY_WORDS, dtype=np.uint8)
-_NEXT = np.arange(1, WINDOW + 1, dtype=np.int64)  # window offsets past a bucket
 _NO_IDS = np.empty(0, dtype=np.int64)
 assert len(_WORD_MULTIPLIERS) == KEY_WORDS
 
@@ -189,29 +187,21 @@ class KeyIndex:
     def _probe(
         self, fq: np.ndarray, home: np.ndarray, reach: np.ndarray
     ) -> tuple[np.ndarray, np.ndarray]:
-        """Keys not in their home bucket, looked for up to their home's ``reach`` past it.
+        """Keys not in their home bucket, looked for in the buckets past it, as far as the
+        largest ``reach`` among them: one window per key (``_SPAN`` buckets per round).
         Returns (positions in ``fq`` of the keys found, their entry ids)."""
         fp, wrap = self._fp, len(self._fp) - 1
-        # A key inserted while its home was taken usually sits in the next bucket.
-        after = (home + 1) & wrap
-        hit = fp[after] == fq
-        key = hit.nonzero()[0]
-        found = self._ids[after[key]]
-        rest = (~hit & (reach > 1)).nonzero()[0]
-        if not rest.size:
-            return key, found
-        start, reach, todo = after[rest], reach[rest] - 1, rest
-        keys, founds = [key], [found]
-        while True:
-            window = (start[:, None] + _NEXT) & wrap  # [m, WINDOW]
-            match = (fp[window] == fq[todo, None]).ravel().nonzero()[0]
-            keys.append(todo[match >> _WINDOW_BITS])
-            founds.append(self._ids[window.ravel()[match]])
-            more = reach > WINDOW
-            more[match >> _WINDOW_BITS] = False
-            if not np.count_nonzero(more):
-                return np.concatenate(keys), np.concatenate(founds)
-            start, reach, todo = window[more, -1], reach[more] - WINDOW, todo[more]
+        span = int(reach.max())
+        keys, founds = [], []
+        for first in range(1, span + 1, _SPAN):
+            offsets = _positions(min(span, first + _SPAN - 1) + 1)[first:]
+            window = (home[:, None] + offsets) & wrap  # [m, span]
+            key, col = (fp[window] == fq[:, None]).nonzero()
+            keys.append(key)
+            founds.append(self._ids[window[key, col]])
+        if len(keys) == 1:
+            return keys[0], founds[0]
+        return np.concatenate(keys), np.concatenate(founds)
 
     def _next_free(self, start: np.ndarray) -> np.ndarray:
         """First empty bucket from ``start`` on (inclusive), per key."""
