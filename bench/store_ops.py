@@ -327,7 +327,11 @@ def plot_ops(ax, results: list[Result]) -> None:
                 hi.append(r.p80 - r.p50)
         ax.bar(xs, ys, width, yerr=[lo, hi], label=name, capsize=2)
     ax.set_xticks([j + 0.4 - width / 2 for j in range(len(ops))])
-    ax.set_xticklabels([f"{op}\nn={n}" for op, n in ops], fontsize=7)
-    ax.set(yscale="log", ylabel="us per call (median; p20-p80)", title="key-row bookkeeping")
+    ax.set_xticklabels([f"{op}\nn={n}" for op, n in ops], fontsize=6)
+    ax.set(
+        yscale="log",
+        ylabel="us per call (median; p20-p80)",
+        title=f"key-row bookkeeping ({CAPACITY}-block store)",
+    )
     ax.legend(fontsize=7)
     ax.grid(True, axis="y", which="both", alpha=0.3)
