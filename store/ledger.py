@@ -168,7 +168,8 @@ class Ledger:
         """Reference counts the released entries end with (``int64``, one per release).
         Raises ``KeyError`` if one goes negative, after undoing ``created``."""
         delta = self._delta
-        np.add.at(delta, held, 1)
+        if len(held):
+            np.add.at(delta, held, 1)
         np.subtract.at(delta, let, 1)
         final = self.refs[let] + delta[let]
         if np.count_nonzero(final < 0):
