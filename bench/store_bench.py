@@ -23,6 +23,10 @@ Providers (same process, same keys, interleaved round-robin):
 Before any timing, every provider's blocks are read back through every reader and compared
 byte-for-byte with the source; no ratio is reported unless all of them match. Ratios are the
 vLLM median over ours (throughput ratio).
+
+Then the key-row bookkeeping operations of ``bench/store_ops.py`` (bind with retains, bulk
+retains, held lookups, releases, with key rows and key strings; ``--before SHA`` adds the store
+of an earlier commit to the same run), behind their own state-equality gate.
 """
 
 from __future__ import annotations
@@ -35,6 +39,7 @@ from collections.abc import Callable
 import numpy as np
 
 from bench.common import Result, make_result, run_interleaved, timed_ns, write_results
+from bench.store_ops import plot_ops, print_ops, run_ops
 from r3capture.store import BlockStore
 
 B, L, K = 16, 48, 8
@@ -249,7 +254,9 @@ def figure(results: list[Result], table: list[dict]):
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, 3, figsize=(17, 4.8))
+    fig, axes = plt.subplots(1, 4, figsize=(23, 4.8))
+    plot_ops(axes[3], [r for r in results if r.dtype == "key"])
+    results = [r for r in results if r.dtype != "key"]
     for ax, op in zip(axes[:2], ("publish", "materialize")):
         providers = sorted({r.provider for r in results if r.op == op})
         for provider in providers:
@@ -359,6 +366,14 @@ def main(argv: list[str]) -> int:
         action="store_true",
         help="few sizes and repeats, results not written (a smoke run)",
     )
+    parser.add_argument(
+        "--before",
+        metavar="SHA",
+        help="also time the key-row operations on the store of commit SHA (same run)",
+    )
+    parser.add_argument(
+        "--ops-only", action="store_true", help="only the key-row bookkeeping operations"
+    )
     args = parser.parse_args(argv)
     try:
         from vllm.distributed.aux_output_connector import routed_experts as vllm_experts
@@ -366,22 +381,26 @@ def main(argv: list[str]) -> int:
     except ImportError as error:
         print(f"vLLM 0.33.0 not importable ({error}); timing r3capture only, no ratios")
         vllm_store = vllm_experts = None
-    sizes = (1, 16, 128) if args.quick else SIZES
+    sizes = () if args.ops_only else (1, 16, 128) if args.quick else SIZES
     rng = np.random.default_rng(0)
     load_before = os.getloadavg()
-    stores = Stores(vllm_store, vllm_experts)
     results: list[Result] = []
-    try:
-        for n in sizes:
-            stores.verify(n, rng)  # gate: no timing, let alone a ratio, on wrong bytes
-            results += measure(stores, n, args.quick, rng)
-            print(f"  measured {n} blocks/batch", flush=True)
-    finally:
-        stores.close()
+    if sizes:
+        stores = Stores(vllm_store, vllm_experts)
+        try:
+            for n in sizes:
+                stores.verify(n, rng)  # gate: no timing, let alone a ratio, on wrong bytes
+                results += measure(stores, n, args.quick, rng)
+                print(f"  measured {n} blocks/batch", flush=True)
+        finally:
+            stores.close()
     table = ratios(results)
     print_table(results, table)
-    if args.quick:
+    ops = run_ops(NBYTES, vllm_store, args.before, args.quick)
+    print_ops(ops)
+    if args.quick or args.ops_only:
         return 0
+    results += ops
     workload = {
         "block": [B, L, K],
         "dtype": np.dtype(DTYPE).name,

@@ -2,9 +2,14 @@
 
 A *block* is ``object_nbytes`` raw bytes (for routed experts: ``hash_block_size`` token rows of
 ``[L, K]`` uint8/uint16 ids, C order). The store keeps blocks in one ``uint8`` arena
-``[num_slots + reserve_slots, object_nbytes]`` and maps each key (``vllm-artifact/{gen}/{hash}``)
-to the slot holding its bytes. Its eviction and reference-count decisions are those of vLLM
-0.33.0's ``BlockObjectStore``, so a scheduler driving both sees the same hits and misses.
+``[num_slots + reserve_slots, object_nbytes]`` and maps each key to the slot holding its bytes.
+Its eviction and reference-count decisions are those of vLLM 0.33.0's ``BlockObjectStore``, so a
+scheduler driving both sees the same hits and misses.
+
+Keys: every method takes keys either as *key rows* (``uint64 [n, KEY_WORDS]``, one row per
+block hash, built by ``key_rows``; no per-key Python anywhere) or as vLLM's strings
+``vllm-artifact/{generation}/{hash.hex()}`` (parsed once at the boundary by ``as_key_rows``).
+Errors and introspection name keys in the string form.
 
 Lifecycle of a block::
 
@@ -17,11 +22,14 @@ Lifecycle of a block::
   already hold the bytes.
 - ``bind(keys, slots)`` gives each slot its key. A key that already exists and is referenced
   keeps its old bytes (the new slot goes back to the reserve); an existing unreferenced key is
-  replaced. Binding may push the number of keys past ``num_slots``; the least recently used
-  unreferenced keys are then evicted.
+  replaced. A key repeated in one call takes its last slot (or payload). Binding may push the
+  number of keys past ``num_slots``; the least recently used unreferenced keys are then
+  evicted.
 - ``retain``/``release`` (the ``retain_keys``/``release_keys`` arguments) count references. A
   referenced key is never evicted. When a key's count drops to zero it becomes the most recently
   used, in release order, so the scheduler's tail-first release order is the eviction order.
+  Releases are checked before anything changes: a key released more often than it is held (now,
+  plus retains in the same call) raises ``KeyError`` and the store is unchanged.
 - *evict*: only unreferenced keys, least recently used first; lookups (``get_array``,
   ``get_concatenated``, ``lookup_slots``) refresh recency (a no-op for referenced keys, which
   ``lookup_slots(held=True)`` does not probe for). If every key is referenced, the store
@@ -29,9 +37,12 @@ Lifecycle of a block::
   called before the old arena is copied, and ``arena``/``arena_np`` are replaced
   (``arena_version`` increments). A key that is gone raises ``BlockObjectStoreError``.
 
-Every side table (key -> slot, LRU, free slots, unbound slots) is bounded by the arena.
-Reference counts are kept per key the scheduler retains; the scheduler bounds those by its own
-KV-cache blocks.
+Every method validates its arguments before it changes anything (recency included).
+
+Layout: ``KeyIndex`` (key rows -> entry ids), ``Recency`` (least-recently-used order), ``Ledger``
+(slots, references and vLLM's publication rules over both), ``SlotPool`` (free and unbound
+slots). Every side table is bounded by a constant factor of the keys that hold a slot or a
+reference: the arena bounds the first, the scheduler's KV-cache blocks bound the second.
 
 Thread safety: none. The store has a single owner; the worker connector serialises every call
 under its own lock. The store is synchronous: array copies are cheap, so there is no background
@@ -41,18 +52,24 @@ writer thread.
 from __future__ import annotations
 
 import logging
-from collections import Counter, OrderedDict, deque
+import numbers
 from collections.abc import Callable, Iterable, Sequence
-from itertools import filterfalse, islice, repeat
 from typing import Any
 
 import numpy as np
 import torch
 
+from r3capture.store.keys import KEY_WORDS, as_key_rows, key_rows_from_strings, key_string
+from r3capture.store.ledger import Admission, Ledger
+from r3capture.store.slot_pool import SlotPool
+
 logger = logging.getLogger(__name__)
 
 _pin_noop_logged = False
 _UINT8 = np.dtype(np.uint8)
+_NO_KEYS = np.zeros((0, KEY_WORDS), dtype=np.uint64)
+
+Keys = np.ndarray | Iterable[str]
 
 
 class BlockObjectStoreError(RuntimeError):
@@ -61,6 +78,12 @@ class BlockObjectStoreError(RuntimeError):
 
 def _new_arena(num_slots: int, object_nbytes: int, pin_memory: bool) -> torch.Tensor:
     return torch.empty((num_slots, object_nbytes), dtype=torch.uint8, pin_memory=pin_memory)
+
+
+def _check_int(name: str, value: object) -> int:
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise TypeError(f"{name} must be an int, got {type(value).__name__} {value!r}")
+    return int(value)
 
 
 class BlockStore:
@@ -92,6 +115,9 @@ class BlockStore:
         pin_memory: bool = False,
         on_grow: Callable[[], None] | None = None,
     ) -> None:
+        max_bytes = _check_int("max_bytes", max_bytes)
+        object_nbytes = _check_int("object_nbytes", object_nbytes)
+        reserve_slots = _check_int("reserve_slots", reserve_slots)
         if object_nbytes <= 0:
             raise ValueError(f"object_nbytes must be a positive byte count, got {object_nbytes}")
         if max_bytes < object_nbytes:
@@ -107,57 +133,35 @@ class BlockStore:
                 _pin_noop_logged = True
                 logger.info("pin_memory requested but CUDA is not available: arena is not pinned")
             pin_memory = False
-        self.object_nbytes = int(object_nbytes)
-        self.num_slots = int(max_bytes) // self.object_nbytes
-        self.reserve_slots = int(reserve_slots)
+        self.object_nbytes = object_nbytes
+        self.num_slots = max_bytes // object_nbytes
+        self.reserve_slots = reserve_slots
         self._pin_memory = pin_memory
         self._on_grow = on_grow
-        self._arena: torch.Tensor | None = _new_arena(
-            self.num_slots + self.reserve_slots, self.object_nbytes, pin_memory
-        )
+        physical = self.num_slots + reserve_slots
+        self._arena: torch.Tensor | None = _new_arena(physical, object_nbytes, pin_memory)
         self._arena_np: np.ndarray | None = self._arena.numpy()
         self.arena_version = 0
-        self._slots: dict[str, int] = {}
-        # Unreferenced keys, oldest first. Not a plain dict: evicting from the head of one
-        # leaves dead entries that every later scan from the head walks over.
-        self._lru: OrderedDict[str, None] = OrderedDict()
-        self._refs: dict[str, int] = {}
-        # Freed slots form a stack; taking n slots takes the top n in the order they were
-        # pushed, so a run freed together (an evicted batch) comes back as the same run and is
-        # written with one slice. Never-used slots, from _next_slot up, come after.
-        self._free: list[int] = []
-        self._next_slot = 0
-        self._unbound: set[int] = set()
+        self._pool = SlotPool(physical)
+        self._ledger = Ledger(self.num_slots, self._pool)
 
     def put(
         self,
         objects: Iterable[tuple[str, Any]],
         *,
-        retain_keys: Iterable[str] = (),
-        release_keys: Iterable[str] = (),
+        retain_keys: Keys = (),
+        release_keys: Keys = (),
     ) -> None:
-        """Publish ``(key, payload)`` pairs; each payload is bytes-like of ``object_nbytes``.
+        """Publish ``(key, payload)`` pairs: vLLM key strings, bytes-like payloads of
+        ``object_nbytes``.
 
         Within a batch the last payload of a repeated key wins. Retains apply before
-        releases. Raises ``ValueError`` for a payload of the wrong size and ``KeyError`` for a
-        release of a key without a reference; nothing changes in either case.
+        releases. Raises ``ValueError`` for a malformed key or a payload of the wrong size and
+        ``KeyError`` for a release of a key without a reference; nothing changes in any case.
         """
         self._check_open()
-        keys: list[str] = []
-        payloads: list[memoryview] = []
-        for i, (key, payload) in enumerate(objects):
-            view = memoryview(payload)
-            if view.nbytes != self.object_nbytes:
-                raise ValueError(
-                    f"objects[{i}] ({key!r}): payload has {view.nbytes} bytes, "
-                    f"expected object_nbytes={self.object_nbytes}"
-                )
-            keys.append(key)
-            payloads.append(view)
-        rows = np.frombuffer(b"".join(payloads), dtype=np.uint8).reshape(
-            len(keys), self.object_nbytes
-        )
-        self._put_rows(keys, rows, retain_keys, release_keys)
+        rows, blocks = objects_as_arrays(objects, self.object_nbytes)
+        self._publish(rows, blocks, retain_keys, release_keys)
 
     def get_concatenated(self, keys: Sequence[str]) -> bytes:
         """The blocks of ``keys`` joined in order, ``len(keys) * object_nbytes`` bytes."""
@@ -165,11 +169,11 @@ class BlockStore:
 
     def put_array(
         self,
-        keys: Sequence[str],
+        keys: Keys,
         blocks: np.ndarray,
         *,
-        retain_keys: Iterable[str] = (),
-        release_keys: Iterable[str] = (),
+        retain_keys: Keys = (),
+        release_keys: Keys = (),
     ) -> None:
         """Publish ``blocks[i]`` under ``keys[i]`` with one vectorised copy.
 
@@ -178,27 +182,30 @@ class BlockStore:
         ``put``.
         """
         self._check_open()
-        keys = keys if isinstance(keys, (list, tuple)) else list(keys)
-        rows = self._as_rows(blocks, len(keys))
-        self._put_rows(keys, rows, retain_keys, release_keys)
+        rows = as_key_rows(keys)
+        blocks = as_blocks(blocks, len(rows), self.object_nbytes)
+        self._publish(rows, blocks, retain_keys, release_keys)
 
-    def get_array(self, keys: Sequence[str], out: np.ndarray | None = None) -> np.ndarray:
+    def get_array(self, keys: Keys, out: np.ndarray | None = None) -> np.ndarray:
         """Gather the blocks of ``keys`` into ``uint8 [len(keys), object_nbytes]`` in one copy.
 
         ``out``: optional C-contiguous destination of exactly ``len(keys) * object_nbytes``
         bytes, any dtype; the returned array is its ``uint8`` view. Refreshes the recency of
         the keys; raises ``BlockObjectStoreError`` if any key is missing.
         """
-        slots = self.lookup_slots(keys)
-        if out is None:
+        self._check_open()
+        rows = as_key_rows(keys)
+        blocks = None if out is None else as_blocks(out, len(rows), self.object_nbytes, name="out")
+        slots = self._slots_of(rows, touch=True)
+        if blocks is None:
             return self._arena_np[slots]
-        rows = self._as_rows(out, len(slots), name="out")
-        self.gather_into(slots, rows)
-        return rows
+        self.gather_into(slots, blocks)
+        return blocks
 
     def gather_into(self, slots: np.ndarray, out: np.ndarray) -> None:
         """Copy arena rows ``slots`` (int64 ``[n]``) into ``out`` (uint8 ``[n, object_nbytes]``,
         C-contiguous). No bookkeeping: callers pass slots they looked up."""
+        self._check_open()
         if len(slots) < 16:
             # Few blocks: numpy's fancy indexing has the smaller fixed cost.
             out[...] = self._arena_np[slots]
@@ -207,29 +214,15 @@ class BlockStore:
         # element-wise through a buffered iterator and is ~4x slower for 6 KiB rows.
         torch.index_select(self._arena, 0, torch.from_numpy(slots), out=torch.from_numpy(out))
 
-    def lookup_slots(self, keys: Sequence[str], *, held: bool = False) -> np.ndarray:
+    def lookup_slots(self, keys: Keys, *, held: bool = False) -> np.ndarray:
         """Slots of ``keys`` as ``int64 [len(keys)]``; refreshes their recency like a read.
 
         ``held=True`` promises that the caller holds a reference on every key. Referenced keys
-        are never in the LRU, so the refresh would change nothing and is skipped (it costs a
-        probe of the LRU per key). Raises ``BlockObjectStoreError`` (naming the capacity) if
-        any key is missing.
+        are not in the recency order, so the refresh would change nothing and is skipped.
+        Raises ``BlockObjectStoreError`` (naming the capacity) if any key is missing.
         """
         self._check_open()
-        keys = keys if isinstance(keys, (list, tuple)) else list(keys)
-        try:
-            slots = np.fromiter(map(self._slots.__getitem__, keys), np.int64, count=len(keys))
-        except KeyError as error:
-            raise BlockObjectStoreError(
-                f"auxiliary output object {error.args[0]!r} does not exist; it may have been "
-                f"evicted (used={len(self._slots)}, limit={self.num_slots} objects of "
-                f"{self.object_nbytes} bytes). Raise the aux_output max_bytes, e.g. "
-                f"--aux-output-config '{{\"max_bytes\": N}}' with N > "
-                f"{self.num_slots * self.object_nbytes}, when a KV cache hit needs it."
-            ) from None
-        if self._lru and not held:
-            self._touch(keys)
-        return slots
+        return self._slots_of(as_key_rows(keys), touch=not held)
 
     def allocate(self, n: int) -> np.ndarray:
         """Take ``n`` unbound slots (``int64 [n]``) from the producer reserve.
@@ -237,25 +230,24 @@ class BlockStore:
         Raises ``RuntimeError`` when fewer than ``n`` reserve slots are left.
         """
         self._check_open()
+        n = _check_int("n", n)
         if n < 0:
             raise ValueError(f"n must be >= 0, got {n}")
-        if len(self._unbound) + n > self.reserve_slots:
+        if self._pool.num_unbound + n > self.reserve_slots:
             raise RuntimeError(
                 f"allocate({n}): the producer reserve of reserve_slots={self.reserve_slots} "
-                f"slots is exhausted ({len(self._unbound)} unbound); bind or free slots first "
-                "or raise reserve_slots"
+                f"slots is exhausted ({self._pool.num_unbound} unbound); bind or free slots "
+                "first or raise reserve_slots"
             )
-        slots = self._take_slots(n)
-        self._unbound.update(slots)
-        return np.array(slots, dtype=np.int64)
+        return self._pool.allocate(n)
 
     def bind(
         self,
-        keys: Sequence[str],
+        keys: Keys,
         slots: np.ndarray,
         *,
-        retain_keys: Iterable[str] = (),
-        release_keys: Iterable[str] = (),
+        retain_keys: Keys = (),
+        release_keys: Keys = (),
     ) -> None:
         """Give unbound slot ``slots[i]`` (already written) the key ``keys[i]``.
 
@@ -264,28 +256,27 @@ class BlockStore:
         at once is returned to the free pool.
         """
         self._check_open()
-        keys = keys if isinstance(keys, (list, tuple)) else list(keys)
-        slot_list, distinct = self._check_unbound(slots)
-        if len(slot_list) != len(keys):
+        rows = as_key_rows(keys)
+        given = self._pool.check_unbound(slots)
+        if len(given) != len(rows):
             raise ValueError(
-                f"slots: expected {len(keys)} slots for {len(keys)} keys, got {len(slot_list)}"
+                f"slots: expected {len(rows)} slots for {len(rows)} keys, got {len(given)}"
             )
-        survivors = self._admit(keys, retain_keys, release_keys)
-        self._unbound -= distinct
-        if len(survivors) == len(slot_list):
-            used = slot_list
-        else:
-            used = [slot_list[i] for i in _positions(keys, survivors)]
-            kept = set(used)
-            self._free.extend(slot for slot in slot_list if slot not in kept)
-        self._slots.update(zip(survivors, used))
+        admitted = self._admit(rows, retain_keys, release_keys)
+        self._pool.settle(given)
+        used = given[admitted.positions]
+        if len(used) != len(given):
+            unused = np.ones(len(given), dtype=bool)
+            unused[admitted.positions] = False
+            self._pool.push(given[unused])
+        self._ledger.assign(admitted.entries, used)
 
     def free(self, slots: np.ndarray) -> None:
         """Return unbound slots (``int64 [n]`` from ``allocate``) to the reserve."""
         self._check_open()
-        slot_list, distinct = self._check_unbound(slots)
-        self._unbound -= distinct
-        self._free.extend(slot_list)
+        given = self._pool.check_unbound(slots)
+        self._pool.settle(given)
+        self._pool.push(given)
 
     @property
     def arena(self) -> torch.Tensor:
@@ -301,31 +292,40 @@ class BlockStore:
     def num_unbound(self) -> int:
         """Slots handed out by ``allocate`` and not yet bound or freed."""
         self._check_open()
-        return len(self._unbound)
+        return self._pool.num_unbound
 
     def __contains__(self, key: object) -> bool:
+        """Whether ``key`` (a vLLM key string or one key row) is stored; a string that is not
+        a key is not stored."""
         self._check_open()
-        return key in self._slots
+        try:
+            row = key_row(key)
+        except ValueError:
+            if isinstance(key, str):
+                return False
+            raise
+        return self._ledger.slot[self._ledger.entry(row)] >= 0
 
     def __len__(self) -> int:
         """Number of bound blocks (keys)."""
         self._check_open()
-        return len(self._slots)
+        return self._ledger.num_stored
 
-    def ref_count(self, key: str) -> int:
+    def ref_count(self, key: str | np.ndarray) -> int:
         """References held on ``key`` (introspection; does not touch recency)."""
         self._check_open()
-        return self._refs.get(key, 0)
+        return int(self._ledger.refs[self._ledger.entry(key_row(key))])
 
     def eviction_order(self) -> list[str]:
         """Unreferenced keys, next victim first (introspection; does not touch recency)."""
         self._check_open()
-        return list(self._lru)
+        return [key_string(row) for row in self._ledger.order()]
 
-    def peek_slot(self, key: str) -> int | None:
+    def peek_slot(self, key: str | np.ndarray) -> int | None:
         """Slot of ``key`` or None (introspection; does not touch recency)."""
         self._check_open()
-        return self._slots.get(key)
+        slot = int(self._ledger.slot[self._ledger.entry(key_row(key))])
+        return slot if slot >= 0 else None
 
     def close(self) -> None:
         """Release the arena. Idempotent; every later call raises ``RuntimeError``."""
@@ -333,216 +333,48 @@ class BlockStore:
             return
         self._arena = None
         self._arena_np = None
-        self._slots.clear()
-        self._lru.clear()
-        self._refs.clear()
-        self._free.clear()
-        self._unbound.clear()
+        self._ledger = None
+        self._pool = None
 
     def _check_open(self) -> None:
         if self._arena is None:
             raise RuntimeError("auxiliary output store is closed")
 
-    def _as_rows(self, array: np.ndarray, n: int, name: str = "blocks") -> np.ndarray:
-        """``array`` as ``uint8 [n, object_nbytes]`` without copying."""
-        arr = np.asarray(array)
-        if arr.dtype is _UINT8 and arr.ndim > 1 and arr.shape[0] == n > 0:
-            if arr.flags.c_contiguous and arr.size == n * self.object_nbytes:
-                return arr.reshape(n, self.object_nbytes)
-        if arr.dtype.hasobject or not arr.flags.c_contiguous:
-            raise ValueError(f"{name}: expected a C-contiguous numeric array, got {arr.dtype}")
-        expected = n * self.object_nbytes
-        if arr.nbytes != expected or arr.ndim == 0 or arr.shape[0] != n:
-            raise ValueError(
-                f"{name}: expected leading dimension {n} and {n} x {self.object_nbytes} = "
-                f"{expected} bytes, got shape {arr.shape} {arr.dtype} ({arr.nbytes} bytes)"
-            )
-        return arr.reshape(-1).view(np.uint8).reshape(n, self.object_nbytes)
-
-    def _check_unbound(self, slots: np.ndarray) -> tuple[list[int], set[int]]:
-        """``slots`` as a list and a set, after checking they are distinct unbound slots."""
-        arr = np.asarray(slots)
-        if arr.ndim != 1 or (arr.size and arr.dtype.kind not in "iu"):
-            raise ValueError(f"slots: expected a 1-D integer array, got {arr.shape} {arr.dtype}")
-        slot_list = arr.tolist()
-        distinct = set(slot_list)
-        if not distinct <= self._unbound:
-            stray = sorted(distinct - self._unbound)
-            raise ValueError(f"slots: {stray} are not unbound slots from allocate()")
-        if len(distinct) != len(slot_list):
-            raise ValueError(f"slots: each slot may appear once, got {slot_list}")
-        return slot_list, distinct
-
-    def _take_slots(self, n: int) -> list[int]:
-        """``n`` free physical slots, recently freed ones first."""
-        free = self._free
-        reused = min(n, len(free))
-        slots = free[len(free) - reused :]
-        del free[len(free) - reused :]
-        if reused < n:
-            start = self._next_slot
-            self._next_slot = start + n - reused
-            assert self._next_slot <= self.num_slots + self.reserve_slots, "arena overcommitted"
-            slots.extend(range(start, self._next_slot))
+    def _slots_of(self, rows: np.ndarray, *, touch: bool) -> np.ndarray:
+        slots = self._ledger.lookup(rows, touch=touch)
+        missing = slots < 0
+        if np.count_nonzero(missing):
+            key = key_string(rows[np.argmax(missing)])
+            raise missing_key_error(key, len(self), self.num_slots, self.object_nbytes)
         return slots
 
-    def _put_rows(
-        self,
-        keys: Sequence[str],
-        rows: np.ndarray,
-        retain_keys: Iterable[str],
-        release_keys: Iterable[str],
+    def _publish(
+        self, rows: np.ndarray, blocks: np.ndarray, retain_keys: Keys, release_keys: Keys
     ) -> None:
-        survivors = self._admit(keys, retain_keys, release_keys)
-        m = len(survivors)
+        admitted = self._admit(rows, retain_keys, release_keys)
+        m = len(admitted.entries)
         if not m:
             return
-        if m != len(keys):
-            rows = rows[_positions(keys, survivors)]
-        slots = self._take_slots(m)
-        self._slots.update(zip(survivors, slots))
-        first = slots[0]
-        if slots[-1] - first == m - 1 and slots == list(range(first, first + m)):
-            self._arena_np[first : first + m] = rows
+        if m != len(rows):
+            blocks = blocks[admitted.positions]
+        slots = self._pool.take(m)
+        self._ledger.assign(admitted.entries, slots)
+        first = int(slots[0])
+        if int(slots[-1]) - first == m - 1 and np.array_equal(slots, np.arange(first, first + m)):
+            self._arena_np[first : first + m] = blocks
         else:
-            self._arena_np[np.array(slots, dtype=np.int64)] = rows
+            self._arena_np[slots] = blocks
 
-    def _admit(
-        self, keys: Sequence[str], retain_keys: Iterable[str], release_keys: Iterable[str]
-    ) -> list[str]:
-        """Apply a publication's bookkeeping; return the keys that need a slot, in batch order.
-
-        On return eviction and growth are done with those keys counted; the caller binds them
-        to slots in ``_slots``. Keys referenced at the start of the call keep their bytes.
-        """
-        slots, lru, refs = self._slots, self._lru, self._refs
-        retains = tuple(retain_keys)
-        releases = tuple(release_keys)
-        # Whether each key is released at most once: checked once, used by the release too.
-        distinct = self._check_releases(retains, releases) if releases else True
-        unique = dict.fromkeys(keys)
-        present = list(filter(slots.__contains__, unique)) if slots else None
-        if present:
-            replaced = list(filter(lru.__contains__, present))
-            if replaced:
-                deque(map(lru.__delitem__, replaced), maxlen=0)
-                self._free.extend(map(slots.pop, replaced))
-            pending = list(filterfalse(slots.__contains__, unique))
-        else:
-            pending = list(unique)
-        if retains:
-            self._retain(retains)
-        terminal = self._release(releases, distinct) if releases else []
-        lru.update(zip(filterfalse(refs.__contains__, pending) if refs else pending, repeat(None)))
-        if terminal:
-            self._touch(terminal)
-
-        excess = len(slots) + len(pending) - self.num_slots
-        if excess > 0:
-            protected = unique.keys() - set(terminal) if terminal else unique.keys()
-            evicted_new = self._evict(excess, protected)
-            if evicted_new:
-                pending = [key for key in pending if key not in evicted_new]
-        bound = len(slots) + len(pending)
-        if bound > self.num_slots:
-            self._grow(max(bound, 2 * self.num_slots))
-        return pending
-
-    def _release(self, releases: tuple[str, ...], distinct: bool) -> list[str]:
-        """Drop one reference per occurrence (retains of the call already applied); return
-        the keys whose last reference went, in order, after appending the stored ones to the
-        LRU in that order. ``distinct``: no key occurs twice in ``releases``."""
-        refs, lru, slots = self._refs, self._lru, self._slots
-        counts = list(map(refs.__getitem__, releases))
-        if distinct and counts.count(1) == len(counts):
-            # A finishing request lets go of its own blocks: every count drops to zero.
-            deque(map(refs.__delitem__, releases), maxlen=0)
-            lru.update(zip(filter(slots.__contains__, releases), repeat(None)))
-            return list(releases)
-        terminal: list[str] = []
-        for key in releases:
-            count = refs[key] - 1
-            if count:
-                refs[key] = count
-                continue
-            del refs[key]
-            if key in slots:
-                lru[key] = None
-            terminal.append(key)
-        return terminal
-
-    def _retain(self, retains: tuple[str, ...]) -> None:
-        """Add one reference per occurrence; a key's first reference takes it off the LRU.
-
-        A prefix hit pins thousands of keys at once, so the per-key work stays in C
-        (``Counter``, set algebra, ``map``) except for keys that were already referenced.
-        """
-        refs, lru = self._refs, self._lru
-        if len(retains) < 64:
-            # A step's few new hashes: a plain loop beats the set algebra's fixed cost.
-            for key in retains:
-                count = refs.get(key, 0)
-                if not count:
-                    lru.pop(key, None)
-                refs[key] = count + 1
-            return
-        distinct = set(retains)
-        # Each key once is the usual case: then no counting is needed.
-        counts = None if len(distinct) == len(retains) else Counter(retains)
-        keys = distinct if counts is None else counts.keys()
-        held = keys & refs.keys() if refs else ()
-        for key in held:
-            refs[key] += 1 if counts is None else counts[key]
-        fresh = keys - held if held else keys
-        if lru:
-            deque(map(lru.pop, fresh, repeat(None)), maxlen=0)
-        refs.update(zip(fresh, repeat(1) if counts is None else map(counts.__getitem__, fresh)))
-
-    def _touch(self, keys: Sequence[str]) -> None:
-        """Make the unreferenced ones of ``keys`` most recently used, one after another."""
-        lru = self._lru
-        deque(map(lru.move_to_end, filter(lru.__contains__, keys)), maxlen=0)
-
-    def _check_releases(self, retains: tuple[str, ...], releases: tuple[str, ...]) -> bool:
-        """Raise ``KeyError`` if a key is released more often than it is referenced (held, or
-        retained in this call). Returns whether every key occurs once in ``releases``."""
-        distinct = set(releases)
-        if len(distinct) == len(releases):
-            # Each key released once: it needs one reference, held already or retained in
-            # this call (a finishing request's last hashes). Checked in C, no per-key loop.
-            unheld = distinct - self._refs.keys()
-            if not unheld or unheld <= set(retains):
-                return True
-        added = Counter(retains)
-        for key, count in Counter(releases).items():
-            held = self._refs.get(key, 0) + added[key]
-            if held < count:
-                raise KeyError(
-                    f"release_keys: {key!r} released {count} time(s) but holds {held} reference(s)"
-                )
-        return len(distinct) == len(releases)
-
-    def _evict(self, excess: int, protected: Any) -> set[str]:
-        """Evict ``excess`` unreferenced keys, oldest first, skipping ``protected``.
-
-        Returns the evicted keys that had no slot yet (batch keys released in the same call).
-        """
-        lru, slots = self._lru, self._slots
-        victims = list(islice(lru, excess))
-        if len(victims) < excess or not protected.isdisjoint(victims):
-            victims = []
-            for key in lru:
-                if key not in protected:
-                    victims.append(key)
-                    if len(victims) == excess:
-                        break
-        deque(map(lru.__delitem__, victims), maxlen=0)
-        freed = list(map(slots.pop, victims, repeat(-1)))
-        if -1 not in freed:
-            self._free.extend(freed)
-            return set()
-        self._free.extend(slot for slot in freed if slot >= 0)
-        return {key for key, slot in zip(victims, freed) if slot < 0}
+    def _admit(self, rows: np.ndarray, retain_keys: Keys, release_keys: Keys) -> Admission:
+        """The ledger's admission of one publication, after which the arena has room for
+        every stored key (it grows when every key is referenced)."""
+        retains = as_key_rows(retain_keys, name="retain_keys")
+        releases = as_key_rows(release_keys, name="release_keys")
+        ledger = self._ledger
+        admitted = ledger.admit(rows, retains, releases)
+        if ledger.num_stored > self.num_slots:
+            self._grow(max(ledger.num_stored, 2 * self.num_slots))
+        return admitted
 
     def _grow(self, num_slots: int) -> None:
         logger.warning(
@@ -564,10 +396,71 @@ class BlockStore:
             raise
         self._arena, self._arena_np = arena, arena.numpy()
         self.num_slots = num_slots
+        self._ledger.num_slots = num_slots
+        self._pool.grow(num_slots + self.reserve_slots)
         self.arena_version += 1
 
 
-def _positions(keys: Sequence[str], survivors: list[str]) -> list[int]:
-    """Batch position of each survivor; a repeated key's last position (its payload wins)."""
-    last = dict(zip(keys, range(len(keys))))
-    return list(map(last.__getitem__, survivors))
+def key_row(key: object) -> np.ndarray:
+    """One key (a vLLM key string or a ``uint64 [KEY_WORDS]`` row) as a row."""
+    if isinstance(key, np.ndarray):
+        if key.shape != (KEY_WORDS,):
+            raise ValueError(f"key: expected one key row [{KEY_WORDS}], got {key.shape}")
+        return as_key_rows(key.reshape(1, KEY_WORDS), name="key")[0]
+    if not isinstance(key, str):
+        raise TypeError(f"key: expected a key string or key row, got {type(key).__name__}")
+    return as_key_rows([key], name="key")[0]
+
+
+def as_blocks(array: np.ndarray, n: int, object_nbytes: int, name: str = "blocks") -> np.ndarray:
+    """``array`` as ``uint8 [n, object_nbytes]`` without copying; ``ValueError`` naming
+    ``name`` unless it is C-contiguous, numeric, with leading dimension ``n`` and exactly
+    ``n * object_nbytes`` bytes."""
+    arr = np.asarray(array)
+    if arr.dtype is _UINT8 and arr.ndim > 1 and arr.shape[0] == n > 0:
+        if arr.flags.c_contiguous and arr.size == n * object_nbytes:
+            return arr.reshape(n, object_nbytes)
+    if arr.dtype.hasobject or not arr.flags.c_contiguous:
+        raise ValueError(f"{name}: expected a C-contiguous numeric array, got {arr.dtype}")
+    expected = n * object_nbytes
+    if arr.nbytes != expected or arr.ndim == 0 or arr.shape[0] != n:
+        raise ValueError(
+            f"{name}: expected leading dimension {n} and {n} x {object_nbytes} = "
+            f"{expected} bytes, got shape {arr.shape} {arr.dtype} ({arr.nbytes} bytes)"
+        )
+    return arr.reshape(-1).view(np.uint8).reshape(n, object_nbytes)
+
+
+def missing_key_error(key: str, used: int, num_slots: int, object_nbytes: int) -> Exception:
+    """vLLM's error type for a block that is not stored, saying which setting to raise."""
+    return BlockObjectStoreError(
+        f"auxiliary output object {key!r} does not exist; it may have been "
+        f"evicted (used={used}, limit={num_slots} objects of "
+        f"{object_nbytes} bytes). Raise the aux_output max_bytes, e.g. "
+        f"--aux-output-config '{{\"max_bytes\": N}}' with N > "
+        f"{num_slots * object_nbytes}, when a KV cache hit needs it."
+    )
+
+
+def objects_as_arrays(
+    objects: Iterable[tuple[str, Any]], object_nbytes: int
+) -> tuple[np.ndarray, np.ndarray]:
+    """``put``'s ``(key string, payload)`` pairs as key rows and ``uint8 [n, object_nbytes]``
+    blocks; ``ValueError`` naming the first malformed key or payload of the wrong size."""
+    keys: list[str] = []
+    payloads: list[memoryview] = []
+    for i, (key, payload) in enumerate(objects):
+        view = memoryview(payload)
+        if view.nbytes != object_nbytes:
+            raise ValueError(
+                f"objects[{i}] ({key!r}): payload has {view.nbytes} bytes, "
+                f"expected object_nbytes={object_nbytes}"
+            )
+        keys.append(key)
+        payloads.append(view)
+    try:
+        rows = key_rows_from_strings(keys)
+    except ValueError as error:
+        raise ValueError(f"objects: {error}") from None
+    blocks = np.frombuffer(b"".join(payloads), dtype=np.uint8)
+    return rows, blocks.reshape(len(keys), object_nbytes)

@@ -13,7 +13,8 @@ from hypothesis import strategies as st
 from r3capture.store import BlockObjectStoreError, BlockStore
 
 NB = 4
-KEYS = list("abcdef")
+# vLLM keys with one-byte hashes "a".."f".
+KEYS = [f"vllm-artifact/0/{name.encode().hex()}" for name in "abcdef"]
 
 
 class ModelStore:
@@ -184,6 +185,6 @@ def test_store_matches_model(bulk, data, capacity, reserve):
         else:  # a slot that is not unbound must be refused without any change
             bound = [store.peek_slot(key) for key in model.data]
             if bound:
-                got = outcome(store.bind, ["a"], np.array(bound[:1], dtype=np.int64))
+                got = outcome(store.bind, KEYS[:1], np.array(bound[:1], dtype=np.int64))
                 assert got[1] is ValueError
         assert_same(store, model, held)

@@ -23,7 +23,8 @@ vllm_store = pytest.importorskip(
 )
 
 NB = 4
-KEYS = list("abcdef")
+# vLLM keys with one-byte hashes "a".."f".
+KEYS = [f"vllm-artifact/0/{name.encode().hex()}" for name in "abcdef"]
 
 
 @pytest.fixture(autouse=True)
@@ -116,7 +117,7 @@ def test_same_behaviour_as_vllm(data, capacity):
         theirs.close()
         ours.close()
         theirs.close()
-        for call, args in (("put", ([],)), ("get_concatenated", (["a"],))):
+        for call, args in (("put", ([],)), ("get_concatenated", (KEYS[:1],))):
             got = outcome(getattr(ours, call), *args)
             assert got == outcome(getattr(theirs, call), *args) == (None, "RuntimeError")
 
@@ -126,7 +127,7 @@ def test_missing_key_error_is_vllms_type():
     ours = BlockStore(max_bytes=NB, object_nbytes=NB)
     for store in (theirs, ours):
         with pytest.raises(RuntimeError) as info:
-            store.get_concatenated(["missing"])
+            store.get_concatenated(["vllm-artifact/0/ff"])
         assert type(info.value).__name__ == "BlockObjectStoreError"
 
 
