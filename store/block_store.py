@@ -39,10 +39,10 @@ Lifecycle of a block::
 
 Every method validates its arguments before it changes anything (recency included).
 
-Layout: ``KeyIndex`` (key rows -> entry ids), ``Recency`` (least-recently-used order), ``Ledger``
-(slots, references and vLLM's publication rules over both), ``SlotPool`` (free and unbound
-slots). Every side table is bounded by a constant factor of the keys that hold a slot or a
-reference: the arena bounds the first, the scheduler's KV-cache blocks bound the second.
+Layout: ``Ledger`` (keys -> slots, references, least-recently-used order and vLLM's
+publication rules), ``SlotPool`` (free and unbound slots). Every side table holds only keys that
+have a slot or a reference: the arena bounds the first, the scheduler's KV-cache blocks bound
+the second.
 
 Thread safety: none. The store has a single owner; the worker connector serialises every call
 under its own lock. The store is synchronous: array copies are cheap, so there is no background
@@ -264,12 +264,13 @@ class BlockStore:
             )
         admitted = self._admit(rows, retain_keys, release_keys)
         self._pool.settle(given)
-        used = given[admitted.positions]
-        if len(used) != len(given):
-            unused = np.ones(len(given), dtype=bool)
-            unused[admitted.positions] = False
-            self._pool.push(given[unused])
-        self._ledger.assign(admitted.entries, used)
+        if len(admitted.keys) == len(given):
+            used = given
+        else:
+            used = [given[i] for i in admitted.positions.tolist()]
+            kept = set(used)
+            self._pool.push([slot for slot in given if slot not in kept])
+        self._ledger.assign(admitted.keys, used)
 
     def free(self, slots: np.ndarray) -> None:
         """Return unbound slots (``int64 [n]`` from ``allocate``) to the reserve."""
@@ -304,7 +305,7 @@ class BlockStore:
             if isinstance(key, str):
                 return False
             raise
-        return self._ledger.slot[self._ledger.entry(row)] >= 0
+        return self._ledger.slot_of(row) >= 0
 
     def __len__(self) -> int:
         """Number of bound blocks (keys)."""
@@ -314,7 +315,7 @@ class BlockStore:
     def ref_count(self, key: str | np.ndarray) -> int:
         """References held on ``key`` (introspection; does not touch recency)."""
         self._check_open()
-        return int(self._ledger.refs[self._ledger.entry(key_row(key))])
+        return self._ledger.refs_of(key_row(key))
 
     def eviction_order(self) -> list[str]:
         """Unreferenced keys, next victim first (introspection; does not touch recency)."""
@@ -324,7 +325,7 @@ class BlockStore:
     def peek_slot(self, key: str | np.ndarray) -> int | None:
         """Slot of ``key`` or None (introspection; does not touch recency)."""
         self._check_open()
-        slot = int(self._ledger.slot[self._ledger.entry(key_row(key))])
+        slot = self._ledger.slot_of(key_row(key))
         return slot if slot >= 0 else None
 
     def close(self) -> None:
@@ -352,18 +353,18 @@ class BlockStore:
         self, rows: np.ndarray, blocks: np.ndarray, retain_keys: Keys, release_keys: Keys
     ) -> None:
         admitted = self._admit(rows, retain_keys, release_keys)
-        m = len(admitted.entries)
+        m = len(admitted.keys)
         if not m:
             return
         if m != len(rows):
             blocks = blocks[admitted.positions]
         slots = self._pool.take(m)
-        self._ledger.assign(admitted.entries, slots)
-        first = int(slots[0])
-        if int(slots[-1]) - first == m - 1 and np.array_equal(slots, np.arange(first, first + m)):
+        self._ledger.assign(admitted.keys, slots)
+        first = slots[0]
+        if slots[-1] - first == m - 1 and slots == list(range(first, first + m)):
             self._arena_np[first : first + m] = blocks
         else:
-            self._arena_np[slots] = blocks
+            self._arena_np[np.array(slots, dtype=np.int64)] = blocks
 
     def _admit(self, rows: np.ndarray, retain_keys: Keys, release_keys: Keys) -> Admission:
         """The ledger's admission of one publication, after which the arena has room for

@@ -14,38 +14,51 @@ rules of vLLM 0.33.0's ``BlockObjectStore.put``, in its order:
 6. while stored keys (new batch keys included) exceed ``num_slots``, the least recent
    unreferenced keys are evicted, skipping batch keys that are not terminal.
 
-Batch keys that survive are returned as an ``Admission``: the caller gives them slots (and,
-when every key is referenced and the ledger holds more than ``num_slots``, grows first).
+Batch keys that survive are returned as an ``Admission``; the caller gives them slots with
+``assign`` (after growing the arena when every key is referenced and more are stored than
+``num_slots``).
 
-A key has an *entry* (a ``KeyIndex`` id) while it holds a slot or a reference. Per entry the
-ledger keeps ``slot`` (``NO_SLOT``; ``PENDING`` for a batch key counted as stored whose slot
-comes after eviction), ``refs``, and its recency stamp (``Recency``). Every per-entry array has
-one extra element at the end, a sentinel read through entry id -1 (absent key): ``NO_SLOT``,
-zero references, not in order. No bytes live here.
+Mechanism, measured against a vectorized (numpy) open-addressing index: a key row becomes one
+40-byte ``bytes`` key through a numpy view (no per-key Python), and every table is a dict
+(recency an ``OrderedDict``) driven through ``map``/``filter``/set algebra, so the per-key work
+runs in C at ~0.05-0.1 us a key with a fixed cost of a few microseconds a call. The numpy index
+cost ~150 numpy calls a call: 4-5x more for the handful of keys of a decode step, and won only
+beyond a few hundred keys (``bench/RESULTS.md``, store section). Keys are exact: no
+fingerprints, so no collisions. No bytes live here.
 """
 
 from __future__ import annotations
 
+from collections import Counter, OrderedDict, deque
+from collections.abc import Sequence
 from dataclasses import dataclass
+from itertools import filterfalse, islice, repeat
 
 import numpy as np
 
-from r3capture.store.key_index import KeyIndex
-from r3capture.store.keys import key_string
-from r3capture.store.positions import positions as _positions
-from r3capture.store.recency import Recency
+from r3capture.store.keys import KEY_WORDS, key_string
 from r3capture.store.slot_pool import SlotPool
 
-NO_SLOT = -1
-PENDING = -2
-_NO_IDS = np.empty(0, dtype=np.int64)
+PENDING = -2  # a batch key counted as stored, whose slot comes after eviction
+_KEY = np.dtype((np.void, KEY_WORDS * 8))
+_WORDS = np.dtype("<u8")
+
+
+def key_bytes(rows: np.ndarray) -> list[bytes]:
+    """Each key row (``uint64 [n, KEY_WORDS]``) as one hashable 40-byte key, made in C."""
+    return np.ascontiguousarray(rows).view(_KEY).reshape(-1).tolist()
+
+
+def key_rows_of(keys: Sequence[bytes]) -> np.ndarray:
+    """The inverse of ``key_bytes``: ``uint64 [len(keys), KEY_WORDS]``."""
+    return np.frombuffer(b"".join(keys), dtype=_WORDS).reshape(len(keys), KEY_WORDS)
 
 
 @dataclass
 class Admission:
     """Batch keys that need a slot, in first-occurrence order."""
 
-    entries: np.ndarray  # int64 [m] entry ids
+    keys: list[bytes]
     positions: np.ndarray  # int64 [m] batch position of each one's payload (last occurrence)
 
 
@@ -59,169 +72,153 @@ class Ledger:
 
     def __init__(self, num_slots: int, pool: SlotPool) -> None:
         self.num_slots = num_slots
-        self.num_stored = 0
-        self.index = KeyIndex(entries=64)
-        self.recency = Recency(self.index.capacity)
-        self.slot = np.full(self.index.capacity + 1, NO_SLOT, dtype=np.int64)
-        self.refs = np.zeros(self.index.capacity + 1, dtype=np.int64)
-        # Scratch: reference changes of a call (all zero between calls), batch positions.
-        self._delta = np.zeros(self.index.capacity + 1, dtype=np.int64)
-        self._mark = np.zeros(self.index.capacity + 1, dtype=np.int64)
         self._pool = pool
+        self._slots: dict[bytes, int] = {}
+        # Stored unreferenced keys, next victim first. An OrderedDict, not a dict: evicting
+        # from the head of a dict leaves dead entries every later scan walks over.
+        self._lru: OrderedDict[bytes, None] = OrderedDict()
+        self._refs: dict[bytes, int] = {}
+
+    @property
+    def num_stored(self) -> int:
+        return len(self._slots)
 
     def admit(self, batch: np.ndarray, retains: np.ndarray, releases: np.ndarray) -> Admission:
         """Apply one publication (key rows each); see the module docstring. Raises
         ``KeyError`` (nothing changed) if a key is released more often than it is held."""
-        n, t = len(batch), len(retains)
-        rows = np.concatenate((batch, retains, releases)) if t or len(releases) else batch
-        ids, created = self.index.find_or_insert(rows)
-        if self.index.capacity >= len(self.slot):
-            self._fit()
-        held, let = ids[n : n + t], ids[n + t :]
-        final = self._check_releases(held, let, created) if len(let) else None
-        slot, refs = self.slot, self.refs
-
-        unique, last = self._dedup(ids[:n])
-        if n:
-            old = slot[unique]
-            stored = old >= 0
-            kept = np.count_nonzero(stored)
-            if not kept:  # all new, or retained before their first publication
-                slot[unique] = PENDING
-            else:
-                replaced = stored & (refs[unique] == 0)
-                if np.count_nonzero(replaced):
-                    self._pool.push(old[replaced])
-                slot[unique[~stored | replaced]] = PENDING
-            self.num_stored += len(unique) - kept
-
-        terminal = _NO_IDS
-        if final is not None:
-            terminal = self._release(held, let, final)
-        elif t:
-            np.add.at(refs, held, 1)
-        if t:
-            self.recency.forget(held)
-        keep_from = self.recency.clock + 1
-        unreferenced = refs[unique] == 0
-        if np.count_nonzero(unreferenced):
-            self.recency.touch(unique[unreferenced], distinct=True)
-        keep_to = self.recency.clock + 1
-        if len(terminal):
-            stored = slot[terminal] != NO_SLOT
-            self.recency.touch(terminal[stored], distinct=True)
-            self.index.remove(terminal[~stored])  # no slot, no reference: gone
-        excess = self.num_stored - self.num_slots
+        keys = key_bytes(batch) if len(batch) else []
+        retained = key_bytes(retains) if len(retains) else []
+        released = key_bytes(releases) if len(releases) else []
+        slots, lru, refs = self._slots, self._lru, self._refs
+        distinct = self._check_releases(retained, released) if released else True
+        unique = dict.fromkeys(keys)
+        if slots and unique:
+            replaced = list(filter(lru.__contains__, unique))
+            if replaced:
+                deque(map(lru.__delitem__, replaced), maxlen=0)
+                self._pool.push(list(map(slots.pop, replaced)))
+            pending = list(filterfalse(slots.__contains__, unique))
+        else:
+            pending = list(unique)
+        if retained:
+            self._retain(retained)
+        terminal = self._release(released, distinct) if released else []
+        lru.update(zip(filterfalse(refs.__contains__, pending) if refs else pending, repeat(None)))
+        if terminal:
+            deque(map(lru.move_to_end, filter(lru.__contains__, terminal)), maxlen=0)
+        slots.update(zip(pending, repeat(PENDING)))
+        excess = len(slots) - self.num_slots
         if excess > 0:
-            # Only a terminal batch key can be evicted before it has a slot.
-            self._evict(excess, keep_from, keep_to, pending=n > 0 and len(terminal) > 0)
-        if not n:
-            return Admission(_NO_IDS, _NO_IDS)
-        waiting = slot[unique] == PENDING
-        if np.count_nonzero(waiting) == len(unique):
-            return Admission(unique, last)
-        return Admission(unique[waiting], last[waiting])
+            protected = unique.keys() - set(terminal) if terminal else unique.keys()
+            evicted = self._evict(excess, protected)
+            if evicted:
+                pending = [key for key in pending if key not in evicted]
+        if not pending:
+            return Admission([], np.empty(0, np.int64))
+        if len(pending) == len(keys):
+            return Admission(pending, np.arange(len(keys), dtype=np.int64))
+        last = dict(zip(keys, range(len(keys))))
+        return Admission(pending, np.fromiter(map(last.__getitem__, pending), np.int64))
 
-    def assign(self, entries: np.ndarray, slots: np.ndarray) -> None:
-        """Give admitted entries their slots."""
-        self.slot[entries] = slots
+    def assign(self, keys: list[bytes], slots: list[int]) -> None:
+        """Give admitted keys their slots."""
+        self._slots.update(zip(keys, slots))
 
     def lookup(self, rows: np.ndarray, *, touch: bool) -> np.ndarray:
-        """Slots of ``rows`` (``int64 [n]``; negative where a key is not stored). When every
-        key is stored and ``touch``, the unreferenced ones become most recent in order."""
-        ids = self.index.find(rows)
-        slots = self.slot[ids]
-        if touch and np.count_nonzero(slots < 0) == 0:
-            self.recency.touch(ids[self.refs[ids] == 0], distinct=False)
+        """Slots of ``rows`` (``int64 [n]``; -1 where a key is not stored). When every key is
+        stored and ``touch``, the unreferenced ones become most recent in order."""
+        keys = key_bytes(rows)
+        slots = np.fromiter(map(self._slots.get, keys, repeat(-1)), np.int64, len(keys))
+        lru = self._lru
+        if touch and lru and np.count_nonzero(slots < 0) == 0:
+            deque(map(lru.move_to_end, filter(lru.__contains__, keys)), maxlen=0)
         return slots
 
-    def entry(self, row: np.ndarray) -> int:
-        """Entry id of one key row, -1 if it has none (no recency change)."""
-        return int(self.index.find(row.reshape(1, -1))[0])
+    def slot_of(self, row: np.ndarray) -> int:
+        """Slot of one key row, -1 if it is not stored (no recency change)."""
+        return self._slots.get(key_bytes(row.reshape(1, -1))[0], -1)
+
+    def refs_of(self, row: np.ndarray) -> int:
+        """References held on one key row (no recency change)."""
+        return self._refs.get(key_bytes(row.reshape(1, -1))[0], 0)
 
     def order(self) -> np.ndarray:
         """Key rows of the stored unreferenced keys, next victim first."""
-        return self.index.rows(self.recency.order())
+        return key_rows_of(list(self._lru))
 
-    def _fit(self) -> None:
-        """Size the per-entry arrays to the index's entry capacity."""
-        size = self.index.capacity + 1
-        if size > len(self.slot):
-            self.recency.resize(size - 1)
-            self.slot = _grown(self.slot, size, NO_SLOT)
-            self.refs = _grown(self.refs, size, 0)
-            self._delta = _grown(self._delta, size, 0)
-            self._mark = _grown(self._mark, size, 0)
+    def _retain(self, retained: list[bytes]) -> None:
+        """One reference per occurrence; a key's first reference takes it out of the order."""
+        refs, lru = self._refs, self._lru
+        distinct = set(retained)
+        counts = None if len(distinct) == len(retained) else Counter(retained)
+        keys = distinct if counts is None else counts.keys()
+        held = keys & refs.keys() if refs else ()
+        for key in held:
+            refs[key] += 1 if counts is None else counts[key]
+        fresh = keys - held if held else keys
+        if lru:
+            deque(map(lru.pop, fresh, repeat(None)), maxlen=0)
+        refs.update(zip(fresh, repeat(1) if counts is None else map(counts.__getitem__, fresh)))
 
-    def _dedup(self, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """Distinct ``ids`` in first-occurrence order, and the position of each one's last
-        occurrence."""
-        positions = _positions(len(ids))
-        if len(ids) < 2 or _distinct(ids, positions, self._mark):
-            return ids, positions
-        distinct, first = np.unique(ids, return_index=True)
-        last = len(ids) - 1 - np.unique(ids[::-1], return_index=True)[1]
-        order = np.argsort(first)
-        return distinct[order], last[order]
+    def _check_releases(self, retained: list[bytes], released: list[bytes]) -> bool:
+        """Raise ``KeyError`` if a key is released more often than it is referenced (held,
+        or retained in this call). Returns whether every key occurs once in ``released``."""
+        distinct = set(released)
+        if len(distinct) == len(released):
+            # Each key once: it needs one reference, held already or retained in this call.
+            unheld = distinct - self._refs.keys()
+            if not unheld or unheld <= set(retained):
+                return True
+        added = Counter(retained)
+        for key, count in Counter(released).items():
+            held = self._refs.get(key, 0) + added[key]
+            if held < count:
+                row = key_rows_of([key])[0]
+                raise KeyError(
+                    f"release_keys: {key_string(row)!r} released {count} time(s) but holds "
+                    f"{held} reference(s)"
+                )
+        return len(distinct) == len(released)
 
-    def _check_releases(self, held: np.ndarray, let: np.ndarray, created: np.ndarray) -> np.ndarray:
-        """Reference counts the released entries end with (``int64``, one per release).
-        Raises ``KeyError`` if one goes negative, after undoing ``created``."""
-        delta = self._delta
-        if len(held):
-            np.add.at(delta, held, 1)
-        np.subtract.at(delta, let, 1)
-        final = self.refs[let] + delta[let]
-        if np.count_nonzero(final < 0):
-            delta[held] = 0
-            delta[let] = 0
-            entry = int(let[np.argmax(final < 0)])
-            count = np.count_nonzero(let == entry)
-            have = int(self.refs[entry]) + np.count_nonzero(held == entry)
-            key = key_string(self.index.rows(entry))
-            self.index.remove(created)
-            raise KeyError(
-                f"release_keys: {key!r} released {count} time(s) but holds {have} reference(s)"
-            )
-        return final
+    def _release(self, released: list[bytes], distinct: bool) -> list[bytes]:
+        """Drop one reference per occurrence (the call's retains already applied); return the
+        keys whose last reference went, in the order they reached zero, after appending the
+        stored ones to the order."""
+        refs, lru, slots = self._refs, self._lru, self._slots
+        counts = list(map(refs.__getitem__, released))
+        if distinct and counts.count(1) == len(counts):
+            # A finishing request lets go of its own blocks: every count drops to zero.
+            deque(map(refs.__delitem__, released), maxlen=0)
+            lru.update(zip(filter(slots.__contains__, released), repeat(None)))
+            return released
+        terminal: list[bytes] = []
+        for key in released:
+            count = refs[key] - 1
+            if count:
+                refs[key] = count
+                continue
+            del refs[key]
+            if key in slots:
+                lru[key] = None
+            terminal.append(key)
+        return terminal
 
-    def _release(self, held: np.ndarray, let: np.ndarray, final: np.ndarray) -> np.ndarray:
-        """Apply the checked retains and releases; return the terminal entries in the order
-        they reached zero (each key's last release)."""
-        refs, delta = self.refs, self._delta
-        changed = np.concatenate((held, let)) if held.size else let
-        refs[changed] += delta[changed]  # repeated ids all write the same sum
-        delta[changed] = 0
-        zero = let[final == 0]
-        if _distinct(zero, _positions(len(zero)), self._mark):
-            return zero
-        # A key repeated here reaches zero at its last release: order by last occurrence.
-        distinct, reversed_at = np.unique(zero[::-1], return_index=True)
-        return distinct[np.argsort(-reversed_at)]
-
-    def _evict(self, excess: int, keep_from: int, keep_to: int, *, pending: bool) -> None:
-        """Evict up to ``excess`` entries; ``pending``: some victims may be PENDING."""
-        victims = self.recency.evict(excess, keep_from, keep_to)
-        if not victims.size:
-            return
-        slots = self.slot[victims]
-        freed = slots[slots >= 0] if pending else slots  # PENDING victims never had a slot
-        if freed.size:
+    def _evict(self, excess: int, protected) -> set[bytes]:
+        """Evict ``excess`` unreferenced keys, oldest first, skipping ``protected``; frees
+        their slots. Returns the evicted keys that had no slot yet (pending batch keys)."""
+        lru, slots = self._lru, self._slots
+        victims = list(islice(lru, excess))
+        if len(victims) < excess or not protected.isdisjoint(victims):
+            victims = []
+            for key in lru:
+                if key not in protected:
+                    victims.append(key)
+                    if len(victims) == excess:
+                        break
+        deque(map(lru.__delitem__, victims), maxlen=0)
+        freed = list(map(slots.pop, victims))
+        if PENDING not in freed:
             self._pool.push(freed)
-        self.slot[victims] = NO_SLOT
-        self.index.remove(victims)
-        self.num_stored -= len(victims)
-
-
-def _distinct(ids: np.ndarray, positions: np.ndarray, scratch: np.ndarray) -> bool:
-    """Whether no id repeats: each id writes its position into ``scratch``; a repeated id
-    keeps only one of its positions, so another occurrence reads back a different one."""
-    scratch[ids] = positions
-    return np.count_nonzero(scratch[ids] != positions) == 0
-
-
-def _grown(array: np.ndarray, size: int, fill: int) -> np.ndarray:
-    """``array`` extended to ``size``, new elements (and the moved sentinel) set to ``fill``."""
-    grown = np.full(size, fill, dtype=array.dtype)
-    grown[: len(array) - 1] = array[:-1]
-    return grown
+            return set()
+        self._pool.push([slot for slot in freed if slot >= 0])
+        return {key for key, slot in zip(victims, freed) if slot == PENDING}

@@ -4,92 +4,71 @@ Freed slots form a stack. ``take(n)`` hands out the top ``n`` in the order they 
 a run freed together (one eviction) comes back as the same run and is written with one slice;
 never-used slots (from ``next_slot`` up) come after. Slots handed out by ``allocate`` are
 *unbound* until the producer binds or frees them: they are never evicted or handed out twice.
+
+A list and a set, not numpy arrays: a step hands a few slots back and forth, and the set
+algebra runs in C at any size, where numpy's fixed cost per call would dominate.
 """
 
 from __future__ import annotations
 
 import numpy as np
 
-from r3capture.store.positions import positions as _positions
-
 
 class SlotPool:
-    """Free and unbound slots of an arena of ``physical`` slots (all arrays sized to it)."""
+    """Free and unbound slots of an arena of ``physical`` slots."""
 
     def __init__(self, physical: int) -> None:
-        self._free = np.empty(physical, dtype=np.int64)
-        self._num_free = 0
+        self.physical = physical
+        self._free: list[int] = []
         self._next_slot = 0
-        self._unbound = np.zeros(physical, dtype=bool)
-        self.num_unbound = 0
-        self._mark = np.zeros(physical, dtype=np.int64)  # scratch for the distinct check
+        self._unbound: set[int] = set()
 
     @property
-    def physical(self) -> int:
+    def num_unbound(self) -> int:
         return len(self._unbound)
 
     def grow(self, physical: int) -> None:
         """The arena now has ``physical`` slots (more than before)."""
-        free = np.empty(physical, dtype=np.int64)
-        free[: self._num_free] = self._free[: self._num_free]
-        unbound = np.zeros(physical, dtype=bool)
-        unbound[: len(self._unbound)] = self._unbound
-        self._free, self._unbound = free, unbound
-        self._mark = np.zeros(physical, dtype=np.int64)
+        self.physical = physical
 
-    def push(self, slots: np.ndarray) -> None:
+    def push(self, slots: list[int]) -> None:
         """Return slots to the free stack, in order."""
-        top = self._num_free
-        self._free[top : top + len(slots)] = slots
-        self._num_free = top + len(slots)
+        self._free += slots
 
-    def take(self, n: int) -> np.ndarray:
-        """``n`` free slots (``int64 [n]``), the most recently pushed run first."""
-        reused = min(n, self._num_free)
-        top = self._num_free - reused
-        self._num_free = top
-        slots = self._free[top : top + reused]
-        if reused == n:
-            return slots.copy()
-        start = self._next_slot
-        self._next_slot = start + n - reused
-        assert self._next_slot <= len(self._unbound), "arena overcommitted"
-        return np.concatenate((slots, np.arange(start, self._next_slot, dtype=np.int64)))
-
-    def allocate(self, n: int) -> np.ndarray:
-        """Take ``n`` slots and mark them unbound."""
-        slots = self.take(n)
-        self._unbound[slots] = True
-        self.num_unbound += n
+    def take(self, n: int) -> list[int]:
+        """``n`` free slots, the most recently pushed run first."""
+        free = self._free
+        reused = min(n, len(free))
+        slots = free[len(free) - reused :]
+        del free[len(free) - reused :]
+        if reused < n:
+            start = self._next_slot
+            self._next_slot = start + n - reused
+            assert self._next_slot <= self.physical, "arena overcommitted"
+            slots += range(start, self._next_slot)
         return slots
 
-    def check_unbound(self, slots: object) -> np.ndarray:
-        """``slots`` as ``int64 [n]`` after checking they are distinct unbound slots;
-        ``ValueError`` (naming the argument) otherwise."""
+    def allocate(self, n: int) -> np.ndarray:
+        """Take ``n`` slots and mark them unbound; ``int64 [n]``."""
+        slots = self.take(n)
+        self._unbound.update(slots)
+        return np.array(slots, dtype=np.int64)
+
+    def check_unbound(self, slots: object) -> list[int]:
+        """``slots`` as a list after checking they are distinct unbound slots; ``ValueError``
+        (naming the argument) otherwise."""
         arr = np.asarray(slots)
         if arr.ndim != 1 or (arr.size and arr.dtype.kind not in "iu"):
             raise ValueError(f"slots: expected a 1-D integer array, got {arr.shape} {arr.dtype}")
-        if arr.dtype != np.int64:
-            arr = arr.astype(np.int64)
-        n = len(arr)
-        # Negative slots turn into huge unsigned ones and fail the bounds check with the rest.
-        try:
-            held = np.count_nonzero(self._unbound[arr.view(np.uint64)])
-        except IndexError:
-            held = -1
-        if held != n:
-            stray = sorted(
-                {s for s in arr.tolist() if not (0 <= s < len(self._unbound) and self._unbound[s])}
-            )
-            raise ValueError(f"slots: {stray} are not unbound slots from allocate()")
-        # A repeated slot keeps one of its positions in the scratch; another reads it back.
-        positions = _positions(n)
-        self._mark[arr] = positions
-        if np.count_nonzero(self._mark[arr] != positions):
-            raise ValueError(f"slots: each slot may appear once, got {arr.tolist()}")
-        return arr
+        given = arr.tolist()
+        distinct = set(given)
+        if not distinct <= self._unbound:
+            raise ValueError(f"slots: {sorted(distinct - self._unbound)} are not unbound slots "
+                             "from allocate()")  # fmt: skip
+        if len(distinct) != len(given):
+            raise ValueError(f"slots: each slot may appear once, got {given}")
+        return given
 
-    def settle(self, slots: np.ndarray) -> None:
+    def settle(self, slots: list[int]) -> None:
         """Checked unbound ``slots`` are bound or freed: they leave the producer."""
-        self._unbound[slots] = False
-        self.num_unbound -= len(slots)
+        self._unbound.difference_update(slots)

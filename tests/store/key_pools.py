@@ -1,28 +1,31 @@
-"""Key rows for store tests: pools that collide in the index, and structured hashes."""
+"""Key rows for store tests: pools of near-identical keys, and structured hashes."""
 
 from __future__ import annotations
 
 import numpy as np
 
 from r3capture.store import key_rows
-from r3capture.store.key_index import bucket_hash
-
-HOME_BITS = 8  # keys sharing the top 8 hash bits share a home in every table of <= 256 buckets
 
 
-def colliding_rows(count: int, seed: int, item_sizes: tuple[int, ...] = (32,)) -> np.ndarray:
-    """``count`` distinct key rows (hashes of the given sizes, generations 0 and 7) whose
-    hashes agree in the top ``HOME_BITS`` bits: they all home at one bucket of any small
-    table, so the index probes, records reaches and rebuilds on every few operations."""
+def similar_rows(count: int, seed: int, item_sizes: tuple[int, ...] = (32,)) -> np.ndarray:
+    """``count`` distinct key rows that differ as little as keys can: one random hash, then
+    copies that differ from it in one byte, in the generation (0 or 7) or in the hash length
+    (a shorter hash equal to the longer one's prefix). Equal bytes in every other word make a
+    key compared by anything less than all of its row collide."""
     rng = np.random.default_rng(seed)
-    per = 300 * count
-    candidates = np.concatenate(
-        [key_rows(g, rng.bytes(size * per), size) for size in item_sizes for g in (0, 7)]
-    )
-    tops = (bucket_hash(candidates) >> np.uint64(64 - HOME_BITS)).astype(np.int64)
-    chosen = candidates[tops == np.bincount(tops).argmax()][:count]
-    assert len(chosen) == count, "not enough candidates share a home"
-    return rng.permutation(chosen)
+    longest = max(item_sizes)
+    base = rng.bytes(longest)
+    candidates = []
+    for size in item_sizes:
+        for generation in (0, 7):
+            candidates.append(key_rows(generation, base[:size], size))
+            for position in rng.choice(size, size=min(size, count), replace=False).tolist():
+                varied = bytearray(base[:size])
+                varied[position] ^= 1 + int(rng.integers(255))
+                candidates.append(key_rows(generation, bytes(varied), size))
+    rows = np.unique(np.concatenate(candidates), axis=0)
+    assert len(rows) >= count, "not enough distinct candidates"
+    return rng.permutation(rows)[:count]
 
 
 def structured_rows(count: int, item_size: int = 32, generation: int = 0) -> np.ndarray:
