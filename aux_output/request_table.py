@@ -1,9 +1,17 @@
 """Per-request worker state as a struct of arrays, so a step's bookkeeping is vectorized.
 
-One row per live request. The numeric cursors live in numpy arrays indexed by row; each row
-also owns two Python lists: the request's store keys (one per hash block, in block order)
-and the store slots of its *unbound* blocks ``base .. base + len(slots)`` (blocks complete
-and get keys in order, so the unbound blocks are always one contiguous range).
+One row per live request. Numeric state lives in numpy arrays indexed by row; each row also
+owns its store keys (``uint64 [n, KEY_WORDS]`` key rows, one per hash block, in block order)
+and a ring of store slots: the slot of hash block ``b`` sits at ``ring[row, b % W]``. The
+ring holds the request's *unbound* blocks ``base .. end - 1``: blocks complete and get keys
+in order, so everything below ``base`` is bound in the store (or was a cached prefix) and the
+unbound blocks are always one contiguous range of at most ``W`` blocks. Two more columns,
+``ring[row, W:W + 2]``, hold the window of blocks the kernel may write for the row, as it was
+when the row last took new slots; the device keeps a copy of the whole ring.
+
+The table owns these invariants; callers change state only through its methods, except the
+cursor columns (``cursor``, ``scheduled``, ``emit``, ``pending``, ``finished``) that the step
+commit writes as whole vectors.
 """
 
 from __future__ import annotations
@@ -12,44 +20,47 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from r3capture.store import KEY_WORDS
+
 NO_CURSOR = -1
 
 
 class RequestTable:
-    """Rows of request state; ``rows(ids)`` maps request ids to row indices."""
+    """Rows of request state; ``rows(ids)`` maps request ids to row indices.
 
-    _INT_FIELDS = (
-        "cursor",
-        "scheduled",
-        "emit",
-        "pending",
-        "low",
-        "base",
-        "num_keys",
-        "num_slots",
-        "tail",
-    )
+    Args:
+        ring_width: ``W``, most unbound blocks one request can hold.
+        capacity: initial number of rows (doubles when full).
+    """
 
-    def __init__(self, capacity: int = 64) -> None:
+    _INT_FIELDS = ("cursor", "scheduled", "emit", "pending", "base", "end", "num_keys")
+
+    def __init__(self, ring_width: int, capacity: int = 64) -> None:
+        self.ring_width = int(ring_width)
         self.index: dict[str, int] = {}
-        self.keys: list[list[str]] = []
-        self.slots: list[list[int]] = []
+        self._keys: list[np.ndarray] = []
         self._free_rows: list[int] = []
         self._capacity = 0
-        # Bumped whenever the id -> row mapping changes, so callers may cache ``rows(ids)``.
+        # Bumped whenever the id -> row mapping changes (see ``rows``).
         self.version = 0
-        # cursor: capture cursor (NO_CURSOR until the first capture); scheduled: end of the
-        # last scheduled range; emit: emit cursor; pending: steps in flight covering the
-        # request; low: lowest position the latest prepared step can start at; base: first
-        # unbound block; tail: slot of the last unbound block or -1.
+        self._rows_cache: dict[str, tuple[int, list[str], np.ndarray]] = {}
+        # cursor: end of the captured rows (NO_CURSOR before the first capture); scheduled:
+        # end of the last scheduled range; emit: first row not yet returned; pending: steps
+        # in flight covering the request; base: first unbound block; end: one past the last
+        # block with a slot (0 until the request takes its first slots); num_keys: store
+        # keys known (one per hash block).
         self.cursor = self.scheduled = self.emit = self.pending = np.empty(0, np.int64)
-        self.low = np.empty(0, np.int64)
-        self.base = self.num_keys = self.num_slots = self.tail = np.empty(0, np.int64)
+        self.base = self.end = self.num_keys = np.empty(0, np.int64)
         self.finished = np.empty(0, bool)
+        self.ring = np.empty((0, self.ring_width + 2), np.int32)
         self._grow(capacity)
 
     def __len__(self) -> int:
         return len(self.index)
+
+    @property
+    def capacity(self) -> int:
+        return self._capacity
 
     def _grow(self, capacity: int) -> None:
         old = self._capacity
@@ -60,11 +71,15 @@ class RequestTable:
         finished = np.zeros(capacity, bool)
         finished[:old] = self.finished
         self.finished = finished
-        self.keys.extend([] for _ in range(capacity - old))
-        self.slots.extend([] for _ in range(capacity - old))
+        ring = np.full((capacity, self.ring_width + 2), -1, np.int32)
+        ring[:old] = self.ring
+        ring[old:, self.ring_width] = 0  # empty window [0, -1]
+        self.ring = ring
+        self._keys.extend(_EMPTY_KEYS for _ in range(capacity - old))
         self._free_rows.extend(range(capacity - 1, old - 1, -1))
         self._capacity = capacity
 
+    # ---------------------------------------------------------------- membership
     def add(self, request_id: str, emit_start: int) -> int:
         if not self._free_rows:
             self._grow(2 * self._capacity)
@@ -73,57 +88,158 @@ class RequestTable:
         self.version += 1
         self.cursor[row] = NO_CURSOR
         self.emit[row] = emit_start
-        self.scheduled[row] = self.pending[row] = self.base[row] = self.low[row] = 0
-        self.num_keys[row] = self.num_slots[row] = 0
-        self.tail[row] = -1
+        self.scheduled[row] = self.pending[row] = self.base[row] = self.end[row] = 0
+        self.num_keys[row] = 0
         self.finished[row] = False
-        self.keys[row] = []
-        self.slots[row] = []
+        self._keys[row] = _EMPTY_KEYS
         return row
 
-    def rows(self, request_ids: Sequence[str]) -> np.ndarray:
-        """int64 row of each id; ``KeyError`` names an id without state."""
-        return np.fromiter(map(self.index.__getitem__, request_ids), np.int64, len(request_ids))
+    def rows(self, request_ids: list[str], cache: str = "") -> np.ndarray:
+        """int64 row of each id; ``KeyError`` names an id without state.
 
-    def remove(self, request_id: str) -> list[int]:
-        """Drop a request; returns its unbound slots for the caller to free."""
-        row = self.index.pop(request_id)
+        With a ``cache`` name, a list equal to the one last looked up under that name, with
+        no request added or removed since, returns the same array (steady decode sends the
+        same ids every step; the list comparison runs in C).
+        """
+        cached = self._rows_cache.get(cache) if cache else None
+        if cached is not None and cached[0] == self.version and cached[1] == request_ids:
+            return cached[2]
+        rows = np.fromiter(map(self.index.__getitem__, request_ids), np.int64, len(request_ids))
+        if cache:
+            self._rows_cache[cache] = (self.version, request_ids, rows)
+        return rows
+
+    def remove(self, request_ids: Sequence[str]) -> np.ndarray:
+        """Drop requests; returns their unbound slots (int64) for the caller to free."""
+        rows = [self.index.pop(request_id) for request_id in request_ids]
         self.version += 1
-        slots = self.slots[row]
-        self.keys[row] = []
-        self.slots[row] = []
-        self._free_rows.append(row)
+        slots = self.unbound_slots(np.asarray(rows, np.int64))
+        for row in rows:
+            self._keys[row] = _EMPTY_KEYS
+            self.base[row] = self.end[row] = self.num_keys[row] = 0
+        self._free_rows.extend(rows)
         return slots
 
-    def clear(self) -> list[int]:
-        """Drop every request; returns all unbound slots."""
-        slots = [s for row in self.index.values() for s in self.slots[row]]
-        for request_id in list(self.index):
-            self.remove(request_id)
-        return slots
+    def clear(self) -> np.ndarray:
+        """Drop every request; returns all unbound slots (int64)."""
+        return self.remove(list(self.index))
 
-    def keys_added(self, rows: list[int]) -> None:
-        """Refresh ``num_keys`` of ``rows`` after their key lists were extended in place."""
-        if rows:
-            keys = self.keys
-            self.num_keys[rows] = [len(keys[row]) for row in rows]
+    def live_rows(self) -> np.ndarray:
+        """Rows of every live request, in the order the requests were added (int64)."""
+        return np.fromiter(self.index.values(), np.int64, len(self.index))
 
-    def handed_over(self, rows: np.ndarray, counts: np.ndarray) -> None:
-        """Advance ``base`` of ``rows`` by ``counts`` after the caller removed that many
-        leading slots from each row's list (their blocks went to the store)."""
+    # ---------------------------------------------------------------- keys
+    def add_keys(self, rows: Sequence[int], keys: np.ndarray, counts: Sequence[int]) -> None:
+        """Append ``counts[i]`` consecutive rows of ``keys`` (key rows) to request ``rows[i]``."""
+        end = 0
+        own, num_keys = self._keys, self.num_keys
+        for row, count in zip(rows, counts):
+            have = int(num_keys[row])
+            stored = own[row]
+            if have + count > len(stored):
+                grown = np.empty((max(2 * len(stored), have + count, 8), KEY_WORDS), np.uint64)
+                grown[:have] = stored[:have]
+                own[row] = stored = grown
+            stored[have : have + count] = keys[end : end + count]
+            num_keys[row] = have + count
+            end += count
+
+    def keys_of(self, row: int, first_block: int, end_block: int) -> np.ndarray:
+        """Key rows of blocks ``first_block .. end_block - 1`` of ``row`` (a view)."""
+        return self._keys[row][first_block:end_block]
+
+    def release_order(self, rows: Sequence[int]) -> np.ndarray:
+        """Every key of ``rows``, each request's reversed (vLLM releases a finished request's
+        blocks tail first), concatenated in order."""
+        num_keys = self.num_keys
+        return _concat_keys([self._keys[row][: num_keys[row]][::-1] for row in rows])
+
+    # ---------------------------------------------------------------- slots
+    def take_slots(
+        self, rows: list[int], firsts: list[int], lasts: list[int], slots: np.ndarray
+    ) -> tuple[list[int], list[int]]:
+        """Extend each ``rows[i]`` (distinct) to blocks up to ``lasts[i]`` with new slots taken
+        in order from ``slots``; ``firsts[i]`` is the row's first block if it had none yet
+        (ignored otherwise). Returns the ring entries that changed, for the device copy:
+        ``(flat index into ring, value)``: each row's new slots, then its window's two ends.
+
+        One short loop over the rows that grow (a decode step grows a few; each takes one
+        block): numpy's per-call cost would exceed the work at these sizes.
+        Raises ``OverflowError`` (before any change) when a request would hold more than
+        ``ring_width`` unbound blocks.
+        """
+        width = self.ring_width
+        stride = width + 2
+        ring = self.ring.reshape(-1)
+        base_of, end_of = self.base, self.end
+        plans = []
+        for row, first, last in zip(rows, firsts, lasts):
+            end = int(end_of[row])
+            base = first if end == 0 else int(base_of[row])
+            start = first if end == 0 else end
+            if last + 1 - base > width:
+                raise OverflowError(
+                    f"a request needs {last + 1 - base} unbound hash blocks, more than the slot "
+                    f"ring holds ({width})"
+                )
+            plans.append((row, base, start, last))
+        index: list[int] = []
+        values: list[int] = []
+        taken = 0
+        for row, base, start, last in plans:
+            count = last + 1 - start
+            new = slots[taken : taken + count].tolist()
+            taken += count
+            columns = [row * stride + block % width for block in range(start, last + 1)]
+            ring[columns] = new
+            index += columns
+            values += new
+            base_of[row] = base
+            end_of[row] = last + 1
+            ring[row * stride + width] = base
+            ring[row * stride + width + 1] = last
+            index += (row * stride + width, row * stride + width + 1)
+            values += (base, last)
+        return index, values
+
+    def take_leading(self, rows: np.ndarray, counts: np.ndarray) -> np.ndarray:
+        """Hand the first ``counts[i]`` unbound blocks of each ``rows[i]`` (distinct) over to
+        the store: returns their slots (int64, row by row, block order) and advances
+        ``base``."""
+        row_of, block = _block_runs(rows, self.base[rows], counts)
+        slots = self.ring[row_of, block % self.ring_width].astype(np.int64)
         self.base[rows] += counts
-        self.num_slots[rows] -= counts
-        emptied = rows[self.num_slots[rows] == 0]
-        self.tail[emptied] = -1
+        return slots
 
-    def extend_slots(self, row: int, slots: list[int]) -> None:
-        own = self.slots[row]
-        own.extend(slots)
-        self.num_slots[row] = len(own)
-        self.tail[row] = own[-1] if own else -1
+    def unbound_slots(self, rows: np.ndarray) -> np.ndarray:
+        """Slots (int64) of the unbound blocks of ``rows``, row by row."""
+        base = self.base[rows]
+        row_of, block = _block_runs(rows, base, np.maximum(self.end[rows] - base, 0))
+        return self.ring[row_of, block % self.ring_width].astype(np.int64)
 
-    def slot_rows(self, row: int, start: int, end: int, block_size: int) -> np.ndarray:
-        """Arena row index of each token position ``start .. end`` (unbound blocks only)."""
-        positions = np.arange(start, end, dtype=np.int64)
-        own = np.asarray(self.slots[row], dtype=np.int64)
-        return own[positions // block_size - self.base[row]] * block_size + positions % block_size
+    def arena_rows(self, rows: np.ndarray, positions: np.ndarray, block_size: int) -> np.ndarray:
+        """Arena row (slot * B + offset, int64) of token ``positions[j]`` of ``rows[j]``; the
+        position must lie in an unbound block."""
+        blocks = positions // block_size
+        slots = self.ring[rows, blocks % self.ring_width].astype(np.int64)
+        return slots * block_size + positions % block_size
+
+
+_EMPTY_KEYS = np.empty((0, KEY_WORDS), np.uint64)
+
+
+def _block_runs(
+    rows: np.ndarray, firsts: np.ndarray, counts: np.ndarray
+) -> tuple[np.ndarray, np.ndarray]:
+    """For each ``rows[i]``, the blocks ``firsts[i] .. firsts[i] + counts[i] - 1``, flattened:
+    ``(row of each block, block index)``, int64."""
+    row_of = np.repeat(rows, counts)
+    block = np.arange(len(row_of), dtype=np.int64)
+    block += np.repeat(firsts - (np.cumsum(counts) - counts), counts)
+    return row_of, block
+
+
+def _concat_keys(parts: list[np.ndarray]) -> np.ndarray:
+    if not parts:
+        return _EMPTY_KEYS
+    return np.concatenate(parts) if len(parts) > 1 else np.ascontiguousarray(parts[0])

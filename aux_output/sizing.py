@@ -59,9 +59,12 @@ class WorkerSizing:
                  require_int("shape_per_token[1] (K)", shape[1]))  # fmt: skip
         object.__setattr__(self, "shape_per_token", shape)
         try:
-            dtype = np.dtype(self.dtype)
-        except TypeError as error:
-            raise TypeError(f"dtype must be uint8 or uint16, got {self.dtype!r}") from error
+            # np.dtype(None) is float64: a missing dtype must not slip through as a float.
+            dtype = np.dtype(self.dtype) if self.dtype is not None else None
+        except TypeError:
+            dtype = None
+        if dtype is None:
+            raise TypeError(f"dtype must be uint8 or uint16, got {self.dtype!r}")
         if dtype not in ROW_DTYPES:
             raise ValueError(f"dtype must be uint8 or uint16, got {dtype}")
         object.__setattr__(self, "dtype", dtype)

@@ -7,12 +7,13 @@ keeps the core importable and testable without vLLM.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 
 import numpy as np
 
 from r3capture.aux_output import compat
+from r3capture.store import KEY_WORDS, key_rows
 
 if compat.vllm_connector_module() is not None:
     _connector = compat.vllm_connector_module()
@@ -57,38 +58,36 @@ else:
         rows: np.ndarray
 
 
-def block_keys(block_hashes: PackedBlockHashes | None, generation: int) -> list[str]:
-    """Store keys ``vllm-artifact/{generation}/{hash.hex()}`` for each hash, in order."""
-    if block_hashes is None:
-        return []
-    prefix = f"vllm-artifact/{generation}/"
-    # One hex() for the whole buffer, then string slices: prefix hits carry thousands.
-    text, width = block_hashes.data.hex(), 2 * block_hashes.item_size
-    return [prefix + text[i : i + width] for i in range(0, len(text), width)]
+def key_rows_of(block_hashes: PackedBlockHashes | None, generation: int) -> np.ndarray:
+    """Store key rows (``uint64 [n, KEY_WORDS]``) of vLLM's keys
+    ``vllm-artifact/{generation}/{hash.hex()}``, one per hash, in order."""
+    if block_hashes is None or not block_hashes.data:
+        return np.empty((0, KEY_WORDS), np.uint64)
+    return key_rows(generation, block_hashes.data, block_hashes.item_size)
 
 
-def block_keys_of_requests(
-    block_hashes: dict[str, PackedBlockHashes | None], generation: int
-) -> tuple[list[str], list[int]]:
-    """Every request's store keys, concatenated in the dict's order, and the count per request.
+def key_rows_of_requests(
+    block_hashes: Iterable[PackedBlockHashes | None], generation: int
+) -> tuple[np.ndarray, list[int]]:
+    """Every request's key rows, concatenated in order, and the count per request.
 
-    One ``hex()`` over all requests' hashes: a speculative step completes blocks in dozens of
-    requests, and a call per request cost more than the keys themselves.
+    One conversion over all requests' hashes: a speculative step completes blocks in dozens
+    of requests, and a call per request cost more than the keys themselves.
     """
-    datas = [b"" if h is None else h.data for h in block_hashes.values()]
-    sizes = {h.item_size for h in block_hashes.values() if h is not None}
+    packed = list(block_hashes)
+    counts = [0 if h is None else len(h.data) // h.item_size for h in packed]
+    sizes = {h.item_size for h in packed if h is not None and h.data}
     if len(sizes) > 1:
-        per_request = [block_keys(h, generation) for h in block_hashes.values()]
-        return [key for keys in per_request for key in keys], [len(k) for k in per_request]
-    item_size = sizes.pop() if sizes else 1
-    keys = block_keys(PackedBlockHashes(b"".join(datas), item_size), generation)
-    return keys, [len(data) // item_size for data in datas]
+        parts = [key_rows_of(h, generation) for h in packed]
+        return np.concatenate(parts), counts
+    data = b"".join(h.data for h in packed if h is not None)
+    return key_rows(generation, data, sizes.pop() if sizes else 32), counts
 
 
 __all__ = [
     "AuxOutputConnectorMetadata",
     "AuxRequestOutput",
     "PackedBlockHashes",
-    "block_keys",
-    "block_keys_of_requests",
+    "key_rows_of",
+    "key_rows_of_requests",
 ]

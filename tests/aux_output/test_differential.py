@@ -59,6 +59,14 @@ def test_rejections_dropped_on_the_host(scenario):
     _differential(make_trace(scenario, seed=1), factory)
 
 
+@pytest.mark.parametrize("scenario", ["async_spec", "reset", "multi_turn", "preemption"])
+def test_device_staging_destination_byte_identical(scenario):
+    """Staging (GPUs that cannot write host memory): the kernel writes device staging in
+    step-row order and the host places the copy into the ring's slots; uint16 in reset."""
+    factory = r3capture_worker_factory(kernel_impl="reference", destination="staging")
+    _differential(make_trace(scenario, seed=4), factory)
+
+
 def test_padded_steps_byte_identical():
     _differential(make_trace("async_spec", seed=2, pad_tokens_to=8))
 

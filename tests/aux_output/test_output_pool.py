@@ -164,9 +164,9 @@ def test_live_arrays_never_share_memory_and_keep_their_bytes(ops):
 @pytest.fixture
 def pool_everything(monkeypatch):
     """Pool even the simulator's small outputs, so reuse happens on every step."""
-    from r3capture.aux_output import worker
+    from r3capture.aux_output import request_book
 
-    monkeypatch.setattr(worker, "OutputPool", functools.partial(OutputPool, min_nbytes=1))
+    monkeypatch.setattr(request_book, "OutputPool", functools.partial(OutputPool, min_nbytes=1))
 
 
 @pytest.mark.parametrize("scenario", sorted(SCENARIOS))

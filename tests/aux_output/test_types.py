@@ -1,45 +1,55 @@
-"""Store-key construction: the worker's keys must be vLLM's ``vllm-artifact/{gen}/{hex}``."""
+"""Store keys from scheduler metadata: the worker's keys must be vLLM's
+``vllm-artifact/{gen}/{hash.hex()}``, as key rows."""
 
 from __future__ import annotations
 
 import os
 
+import numpy as np
 import pytest
 
-from r3capture.aux_output.types import PackedBlockHashes, block_keys, block_keys_of_requests
+from r3capture.aux_output.types import PackedBlockHashes, key_rows_of, key_rows_of_requests
+from r3capture.store import KEY_WORDS, key_rows_from_strings, key_string
 
 
 def _hashes(n: int, item_size: int = 32) -> PackedBlockHashes:
     return PackedBlockHashes(os.urandom(n * item_size), item_size)
 
 
-def test_block_keys_format():
+def strings(rows: np.ndarray) -> list[str]:
+    return [key_string(row) for row in rows]
+
+
+def _vllm_keys(packed: PackedBlockHashes | None, generation: int) -> list[str]:
+    """vLLM's own construction: one string per hash."""
+    if packed is None:
+        return []
+    return [f"vllm-artifact/{generation}/{h.hex()}" for h in packed]
+
+
+def test_key_rows_are_vllms_keys():
     packed = PackedBlockHashes(bytes(range(8)), 4)
-    assert block_keys(packed, 3) == ["vllm-artifact/3/00010203", "vllm-artifact/3/04050607"]
-    assert block_keys(None, 0) == []
+    rows = key_rows_of(packed, 3)
+    assert strings(rows) == ["vllm-artifact/3/00010203", "vllm-artifact/3/04050607"]
+    assert np.array_equal(rows, key_rows_from_strings(_vllm_keys(packed, 3)))
+    assert key_rows_of(None, 0).shape == (0, KEY_WORDS)
 
 
-@pytest.mark.parametrize(
-    "layout",
-    [
-        [3, 0, 1, 5],
-        [0, 0],
-        [1],
-        [],
-        [2, None, 4],
-    ],
-)
+@pytest.mark.parametrize("layout", [[3, 0, 1, 5], [0, 0], [1], [], [2, None, 4]])
 def test_keys_of_requests_equal_per_request_keys_in_order(layout):
-    hashes = {f"r{i}": None if n is None else _hashes(n) for i, n in enumerate(layout)}
-    keys, counts = block_keys_of_requests(hashes, 7)
-    expected = [block_keys(h, 7) for h in hashes.values()]
+    hashes = [None if n is None else _hashes(n) for n in layout]
+    rows, counts = key_rows_of_requests(hashes, 7)
+    expected = [_vllm_keys(h, 7) for h in hashes]
     assert counts == [len(k) for k in expected]
-    assert keys == [key for per_request in expected for key in per_request]
+    assert strings(rows) == [key for per_request in expected for key in per_request]
 
 
 def test_keys_of_requests_with_mixed_hash_sizes():
-    hashes = {"a": _hashes(2, 32), "b": _hashes(3, 8), "c": _hashes(1, 32)}
-    keys, counts = block_keys_of_requests(hashes, 1)
+    hashes = [_hashes(2, 32), _hashes(3, 16), _hashes(1, 32)]
+    rows, counts = key_rows_of_requests(hashes, 1)
     assert counts == [2, 3, 1]
-    assert keys == [k for h in hashes.values() for k in block_keys(h, 1)]
-    assert len(keys[2]) == len("vllm-artifact/1/") + 16
+    assert strings(rows) == [k for h in hashes for k in _vllm_keys(h, 1)]
+    # A 16-byte hash never equals a 32-byte one that starts with the same bytes.
+    short = PackedBlockHashes(bytes(16), 16)
+    long = PackedBlockHashes(bytes(32), 32)
+    assert not np.array_equal(key_rows_of(short, 0), key_rows_of(long, 0))

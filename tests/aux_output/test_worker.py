@@ -18,7 +18,7 @@ from r3capture.aux_output.errors import AuxOutputProtocolError
 from r3capture.aux_output.sizing import WorkerSizing
 from r3capture.aux_output.types import AuxOutputConnectorMetadata, PackedBlockHashes
 from r3capture.aux_output.worker import TritonAuxOutputWorker
-from r3capture.store import BlockStore
+from r3capture.store import BlockStore, key_string
 from sim import make_trace, make_vllm_worker, run_trace
 from sim.trace import SCENARIOS
 from sim.workers import make_r3capture_worker, r3capture_worker_factory
@@ -55,7 +55,13 @@ def make_worker(**overrides) -> TritonAuxOutputWorker:
     return TritonAuxOutputWorker(WorkerSizing(**sizes), **options)
 
 
-def run_step(worker, metadata, batch, rejected=None, sampled=None, positions=True):
+def batch_of(**fields) -> SimpleNamespace:
+    """An input batch as Model Runner V2 hands it over: host and device query_start_loc."""
+    fields.setdefault("query_start_loc", torch.as_tensor(fields["query_start_loc_np"]))
+    return SimpleNamespace(**fields)
+
+
+def run_step(worker, metadata, batch, rejected=None, sampled=None):
     """One synchronous step: rows of ``batch`` = [(req_id, seed, token_start, count)]."""
     worker.begin_step(metadata)
     qsl = np.zeros(len(batch) + 1, np.int32)
@@ -67,16 +73,15 @@ def run_step(worker, metadata, batch, rejected=None, sampled=None, positions=Tru
         req_ids=[r for r, *_ in batch],
         query_start_loc_np=qsl,
         num_computed_tokens_np=np.array([s for _, _, s, _ in batch], np.int32),
-    )
-    if positions:
-        fields["positions"] = torch.from_numpy(
+        positions=torch.from_numpy(
             np.concatenate([np.arange(s, s + c) for _, _, s, c in batch] or [np.zeros(0)])
-        ).long()
+        ).long(),
+    )
     n = len(batch)
     rejected = np.zeros(n, np.int32) if rejected is None else np.asarray(rejected, np.int32)
     # What the plugin does: the step's device rejected counts reach the kernel.
     worker.set_step_num_rejected(torch.from_numpy(rejected))
-    pending = worker.prepare_output(SimpleNamespace(**fields))
+    pending = worker.prepare_output(batch_of(**fields))
     sampled = np.ones(n, np.int32) if sampled is None else np.asarray(sampled, np.int32)
     pending.enqueue_cpu_copy(num_sampled=sampled, num_rejected=rejected)
     return pending.process_output()
@@ -87,25 +92,23 @@ def meta(requests, block_hashes=None, finished=(), generation=0):
 
 
 @pytest.mark.parametrize("destination", ["direct", "staging"])
-@pytest.mark.parametrize("positions", [True, False], ids=["positions", "no-positions"])
-def test_prefill_then_speculative_decode(destination, positions):
+def test_prefill_then_speculative_decode(destination):
     worker = make_worker(destination=destination)
-    out = run_step(
-        worker, meta({"a": 0}, {"a": hashes(1, range(2))}), [("a", 1, 0, 10)], positions=positions
-    )
+    out = run_step(worker, meta({"a": 0}, {"a": hashes(1, range(2))}), [("a", 1, 0, 10)])
     assert out["a"].token_start == 0
     assert out["a"].rows.dtype == np.uint8
     assert np.array_equal(out["a"].rows, routes(1, 0, 10).astype(np.uint8))
     # Two complete keyed blocks went to the store without a copy; the open block did not.
     assert len(worker.store) == 2
-    out = run_step(
-        worker, meta({"a": 10}), [("a", 1, 10, 4)], rejected=[2], sampled=[2], positions=positions
-    )
+    out = run_step(worker, meta({"a": 10}), [("a", 1, 10, 4)], rejected=[2], sampled=[2])
     assert out["a"].token_start == 10
     assert np.array_equal(out["a"].rows, routes(1, 10, 2).astype(np.uint8))
-    if destination == "direct" and positions:
+    if destination == "direct":
         # 10 prefill rows, then 2 of 4 speculative rows: rejected rows never reach the host.
         assert worker.transfer_stats == {"steps": 2, "rows": 12, "bytes": 12 * ROW_BYTES}
+    else:
+        # The staging copy moves every scheduled row.
+        assert worker.transfer_stats == {"steps": 2, "rows": 14, "bytes": 14 * ROW_BYTES}
     stored = worker.store.get_array([f"vllm-artifact/0/{(bytes([1, 1]) * 4).hex()}"])
     assert stored.tobytes() == routes(1, 4, 4).astype(np.uint8).tobytes()
     worker.close()
@@ -131,8 +134,7 @@ def test_emitted_rows_do_not_alias_reused_slots():
     worker.close()
 
 
-@pytest.mark.parametrize("positions", [True, False], ids=["positions", "no-positions"])
-def test_single_row_step_after_rejection_reattaches_at_the_cursor(positions):
+def test_single_row_step_after_rejection_reattaches_at_the_cursor():
     """Async scheduling: the scheduler assumed every draft was accepted and schedules the
     next token at 12, but two were rejected, so the row belongs at position 10."""
     worker = make_worker()
@@ -145,11 +147,10 @@ def test_single_row_step_after_rejection_reattaches_at_the_cursor(positions):
         req_ids=["a"],
         query_start_loc_np=np.array([0, 1], np.int32),
         num_computed_tokens_np=np.array([12], np.int32),  # the scheduler's optimistic view
+        positions=torch.tensor([10]),  # the model runner's corrected position
     )
-    if positions:
-        fields["positions"] = torch.tensor([10])  # the model runner's corrected position
     worker.set_step_num_rejected(torch.zeros(1, dtype=torch.int32))
-    pending = worker.prepare_output(SimpleNamespace(**fields))
+    pending = worker.prepare_output(batch_of(**fields))
     pending.enqueue_cpu_copy(num_sampled=np.ones(1, np.int32), num_rejected=np.zeros(1, np.int32))
     out = pending.process_output()
     assert out["a"].token_start == 10
@@ -226,8 +227,11 @@ def test_protocol_violations_raise(case, match):
 def test_outputs_in_flight_are_bounded():
     worker = make_worker(max_concurrent_batches=1)
     worker.begin_step(meta({"a": 0}))
-    batch = SimpleNamespace(
-        req_ids=["a"], query_start_loc_np=np.array([0, 1]), num_computed_tokens_np=np.array([0])
+    batch = batch_of(
+        req_ids=["a"],
+        query_start_loc_np=np.array([0, 1]),
+        num_computed_tokens_np=np.array([0]),
+        positions=torch.zeros(1, dtype=torch.int64),
     )
     worker.prepare_output(batch)
     with pytest.raises(AuxOutputProtocolError, match="not consumed in order"):
@@ -235,8 +239,11 @@ def test_outputs_in_flight_are_bounded():
 
 
 def test_warmup_and_non_output_ranks_skip_the_data_plane():
-    batch = SimpleNamespace(
-        req_ids=["a"], query_start_loc_np=np.array([0, 1]), num_computed_tokens_np=np.array([0])
+    batch = batch_of(
+        req_ids=["a"],
+        query_start_loc_np=np.array([0, 1]),
+        num_computed_tokens_np=np.array([0]),
+        positions=torch.zeros(1, dtype=torch.int64),
     )
     worker = make_worker()
     worker.begin_step(None)
@@ -258,33 +265,91 @@ def test_store_growth_waits_for_device_writes_first():
     assert np.array_equal(out["a"].rows, routes(1, 0, 12).astype(np.uint8))
 
 
-def test_bad_construction_is_rejected_with_the_argument_named():
-    with pytest.raises(ValueError, match="dtype"):
-        make_worker(dtype="int32")
-    with pytest.raises(ValueError, match="hash_block_size"):
-        make_worker(hash_block_size=0)
-    with pytest.raises(ValueError, match="capture_buffer"):
-        make_worker(capture_buffer=torch.zeros(32, L + 1, K, dtype=torch.int32))
+@pytest.mark.parametrize(
+    "overrides, error, message",
+    [
+        ({"dtype": "int32"}, ValueError, "dtype must be uint8 or uint16, got int32"),
+        ({"dtype": None}, TypeError, "dtype must be uint8 or uint16"),
+        ({"hash_block_size": 0}, ValueError, "hash_block_size must be >= 1, got 0"),
+        ({"hash_block_size": 2.5}, TypeError, "hash_block_size must be an integer, got float"),
+        ({"hash_block_size": True}, TypeError, "hash_block_size must be an integer, got bool"),
+        ({"max_num_seqs": 2.5}, TypeError, "max_num_seqs must be an integer, got float"),
+        ({"max_num_batched_tokens": "4"}, TypeError, "max_num_batched_tokens must be an int"),
+        ({"max_concurrent_batches": None}, TypeError, "max_concurrent_batches must be an int"),
+        ({"shape_per_token": (3.5, 5)}, TypeError, "shape_per_token\\[0\\] \\(L\\) must be an"),
+        ({"shape_per_token": (3,)}, ValueError, "shape_per_token must be \\(L, K\\)"),
+        ({"max_bytes": 5}, ValueError, "max_bytes must hold at least one block of 24 bytes"),
+        (
+            {"capture_buffer": torch.zeros(32, L + 1, K, dtype=torch.int32)},
+            ValueError,
+            "capture_buffer has shape \\(32, 4, 2\\)",
+        ),
+        (
+            {"capture_buffer": torch.zeros(32, L, K, dtype=torch.float32)},
+            ValueError,
+            "capture_buffer has dtype torch.float32",
+        ),
+        (
+            {"capture_buffer": torch.zeros(31, L, K, dtype=torch.int32)},
+            ValueError,
+            "capture_buffer has shape \\(31, 3, 2\\) \\(at least \\[32, 3, 2\\]\\)",
+        ),
+        (
+            {"capture_buffer": torch.zeros(K, L, 32, dtype=torch.int32).transpose(0, 2)},
+            ValueError,
+            "capture_buffer has a non-contiguous layout",
+        ),
+        (
+            {"capture_buffer": torch.zeros(32, L, K, dtype=torch.int32, device="meta")},
+            ValueError,
+            "capture_buffer has device meta \\(cpu\\)",
+        ),
+        (
+            {"capture_buffer": np.zeros((32, L, K), np.int32)},
+            TypeError,
+            "capture_buffer must be a torch.Tensor, got ndarray",
+        ),
+        ({"kernel_impl": "cuda"}, ValueError, "kernel_impl must be auto\\|triton\\|reference"),
+        ({"destination": "host"}, ValueError, "destination must be auto\\|direct\\|staging"),
+    ],
+    ids=lambda v: None if isinstance(v, (dict, type)) else "",
+)
+def test_bad_construction_is_rejected_with_the_argument_named(overrides, error, message):
+    with pytest.raises(error, match=message):
+        make_worker(**overrides)
 
 
-def _without_positions(sizes):
-    handle = make_r3capture_worker(sizes, kernel_impl="reference")
-    prepare = handle._prepare
-
-    def strip(batch, num_rejected):
-        batch.positions = None
-        return prepare(batch, num_rejected)
-
-    handle._prepare = strip
-    return handle
-
-
-@pytest.mark.parametrize("scenario", ["async_spec", "finish_in_flight", "spec_decode"])
-def test_traces_match_vllm_without_device_positions(scenario):
-    trace = make_trace(scenario, seed=3)
-    theirs = run_trace(trace, make_vllm_worker, check=False)
-    ours = run_trace(trace, _without_positions)
-    assert [s.outputs for s in ours.steps] == [s.outputs for s in theirs.steps]
+@pytest.mark.parametrize(
+    "positions, message",
+    [
+        (None, "got NoneType"),
+        (torch.zeros(3, 2, dtype=torch.int64), "got Tensor torch.int64 of shape \\(3, 2\\)"),
+        (torch.zeros(3), "got Tensor torch.float32"),
+        (torch.zeros(1, dtype=torch.int64), "hold >= 3 entries"),
+    ],
+    ids=["missing", "mrope-2d", "float", "short"],
+)
+def test_prepare_output_needs_the_device_positions(positions, message):
+    """Rows are placed at the device's positions (async reattachment); a batch without them
+    is refused before anything changes, and so is one without the device query_start_loc."""
+    worker = make_worker()
+    worker.begin_step(meta({"a": 0}))
+    batch = batch_of(
+        req_ids=["a"],
+        query_start_loc_np=np.array([0, 3]),
+        num_computed_tokens_np=np.array([0]),
+        positions=positions,
+    )
+    with pytest.raises(ValueError, match="input_batch.positions must.*" + message):
+        worker.prepare_output(batch)
+    batch.positions, batch.query_start_loc = torch.arange(3), None
+    with pytest.raises(ValueError, match="input_batch.query_start_loc must.*got NoneType"):
+        worker.prepare_output(batch)
+    batch.query_start_loc = torch.tensor([0, 3])
+    batch.positions = torch.arange(3)
+    pending = worker.prepare_output(batch)
+    pending.enqueue_cpu_copy(num_sampled=np.ones(1, np.int32), num_rejected=np.zeros(1, np.int32))
+    assert pending.process_output()["a"].rows.shape == (3, L, K)
 
 
 def test_triton_kernel_under_the_interpreter_matches_vllm():
@@ -308,7 +373,7 @@ def test_every_key_the_worker_reads_is_referenced(scenario, monkeypatch):
 
     def checked(store, keys, *, held=False):
         if held:
-            unreferenced = [key for key in keys if store.ref_count(key) == 0]
+            unreferenced = [k for k in map(key_string, keys) if store.ref_count(k) == 0]
             assert not unreferenced, f"read without a reference: {unreferenced[:3]}"
             reads.append(len(keys))
         return original(store, keys, held=held)
@@ -323,3 +388,63 @@ def test_every_key_the_worker_reads_is_referenced(scenario, monkeypatch):
         )
     if scenario in ("chunked_prefill", "multi_turn", "shared_prefix"):
         assert reads, "the scenario should read stored blocks"
+
+
+def test_async_decode_changes_only_the_ring_entries_of_requests_entering_a_block(monkeypatch):
+    """Two steps in flight (MRV2's async scheduling): a decode step gives new slots only to
+    requests whose token starts a hash block, and no request's unbound window grows."""
+    from r3capture.aux_output.device_side import DeviceSide
+
+    updates = []
+    launch = DeviceSide.launch
+
+    def counting(self, **kwargs):
+        changed = kwargs["ring_updates"]
+        updates.append(0 if changed is None else len(changed[0]))
+        return launch(self, **kwargs)
+
+    monkeypatch.setattr(DeviceSide, "launch", counting)
+    worker = make_worker(max_concurrent_batches=2, max_num_seqs=3)
+    names, seeds, lengths = ["a", "b", "c"], [1, 2, 3], [3, 5, 6]
+    prefill_hashes = {n: hashes(s, range(ln // B)) for n, s, ln in zip(names, seeds, lengths)}
+    run_step(worker, meta({n: 0 for n in names}, prefill_hashes),
+             [(n, s, 0, ln) for n, s, ln in zip(names, seeds, lengths)])  # fmt: skip
+    updates.clear()
+    in_flight = []
+    outputs = {n: [] for n in names}
+    for step in range(10):
+        starts = [ln + step for ln in lengths]
+        # The scheduler sends a block's hash with the step that computes its last token.
+        completed = {
+            n: hashes(s, [t // B]) for n, s, t in zip(names, seeds, starts) if (t + 1) % B == 0
+        }
+        worker.begin_step(meta(dict(zip(names, starts)), completed))
+        worker.capture_buffer[:3] = torch.from_numpy(
+            np.concatenate([routes(s, t, 1) for s, t in zip(seeds, starts)])
+        )
+        batch = batch_of(
+            req_ids=names,
+            query_start_loc_np=np.arange(4, dtype=np.int32),
+            num_computed_tokens_np=np.array(starts, np.int32),
+            positions=torch.tensor(starts, dtype=torch.int64),
+        )
+        worker.set_step_num_rejected(torch.zeros(3, dtype=torch.int32))
+        pending = worker.prepare_output(batch)
+        sampled, rejected = np.ones(3, np.int32), np.zeros(3, np.int32)
+        pending.enqueue_cpu_copy(num_sampled=sampled, num_rejected=rejected)
+        in_flight.append(pending)
+        # Exactly the requests whose new token opens a block took a slot: three ring entries
+        # each (the slot and the two ends of the request's window); nothing else changed.
+        assert updates[-1] == 3 * sum(t % B == 0 for t in starts), (step, starts)
+        table = worker._book.table
+        assert (table.end[:3] - table.base[:3]).max() <= 2
+        if len(in_flight) == 2:
+            for name, out in in_flight.pop(0).process_output().items():
+                outputs[name].append(out)
+    for name, out in in_flight.pop().process_output().items():
+        outputs[name].append(out)
+    for name, seed, length in zip(names, seeds, lengths):
+        rows = np.concatenate([o.rows for o in outputs[name]])
+        assert outputs[name][0].token_start == length
+        assert np.array_equal(rows, routes(seed, length, 10).astype(np.uint8))
+    worker.close()

@@ -1,0 +1,220 @@
+"""The device half of the worker: slot ring, per-step inputs, the one kernel launch, copies back.
+
+Per step, on the thread that launches the forward (no host synchronization, no allocation):
+
+1. only when something changed since the last step (the batch's requests, or a request
+   entering a new hash block) the host packs the step's table rows and the changed entries of
+   the slot ring into one pinned buffer (one per step in flight); one asynchronous copy moves
+   it to the device and one scatter applies the ring entries. A steady decode step of a small
+   batch usually changes nothing and skips both;
+2. one ``gather_pack`` launch, validated once at construction (``GatherPackLaunch``), reads
+   the batch's own device ``query_start_loc`` and ``positions`` and writes every accepted
+   row: straight into the pinned store arena (``direct``), or into device staging in
+   step-row order (``staging``);
+3. on the copy stream, the kernel's ``step_info`` (and, for staging, the step's rows) are
+   copied back into pinned host buffers, one per step in flight.
+
+Every view of those buffers is made once, so a step costs a handful of tensor operations.
+The same operations run on a CPU device (there the "device" tensors are host tensors), so
+the data flow the tests check is the one a GPU runs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from r3capture.kernels import GatherPackLaunch, can_write_host_directly
+
+TORCH_DTYPES = {np.dtype(np.uint8): torch.uint8, np.dtype(np.uint16): torch.uint16}
+
+
+def pick_destination(requested: str, device: torch.device) -> str:
+    """``direct`` (the kernel writes the pinned arena) or ``staging`` for ``requested``
+    ``auto``/``direct``/``staging`` on ``device``."""
+    if requested not in ("auto", "direct", "staging"):
+        raise ValueError(f"destination must be auto|direct|staging, got {requested!r}")
+    if device.type != "cuda":
+        # Host and device memory are the same: the kernel writes the arena directly.
+        return "staging" if requested == "staging" else "direct"
+    direct_ok = can_write_host_directly(device)
+    if requested == "direct" and not direct_ok:
+        raise ValueError(f"{device} cannot write pinned host memory directly")
+    if requested == "auto":
+        return "direct" if direct_ok else "staging"
+    return requested
+
+
+@dataclass
+class LaunchedStep:
+    """What one launch left in flight: its buffer index and, once copied, its host results."""
+
+    ring_index: int
+    num_reqs: int
+    num_rows: int
+    step_info: np.ndarray | None = None  # int32 [R, 3] host copy (valid after the copy event)
+    staged_rows: np.ndarray | None = None  # [num_rows, L, K] host copy, staging only
+
+
+class DeviceSide:
+    """Device buffers and the per-step launch of the capture kernel.
+
+    Args:
+        capture_buffer: the router hooks' int32 ``[max_num_batched_tokens, L, K]`` buffer.
+        dtype: row dtype (uint8/uint16).
+        block_size: hash block size ``B``.
+        max_num_seqs: most requests per step.
+        max_updates: most ring entries one step can change.
+        depth: steps in flight (``max_concurrent_batches``).
+        destination: ``direct`` or ``staging`` (see ``pick_destination``).
+        kernel_impl: ``auto`` | ``triton`` | ``reference``.
+
+    ``attach(ring, arena_blocks)`` must be called before the first launch and whenever the
+    host ring or the store arena is replaced.
+    """
+
+    def __init__(
+        self,
+        *,
+        capture_buffer: torch.Tensor,
+        dtype: np.dtype,
+        block_size: int,
+        max_num_seqs: int,
+        max_updates: int,
+        depth: int,
+        destination: str,
+        kernel_impl: str,
+    ) -> None:
+        self.capture_buffer = capture_buffer
+        self.device = capture_buffer.device
+        self.dtype = np.dtype(dtype)
+        self.block_size = block_size
+        self.destination = destination
+        self._kernel_impl = kernel_impl
+        self._depth = depth
+        self._max_seqs = max_num_seqs
+        self._max_updates = max_updates
+        self._next = 0
+        on_cuda = self.device.type == "cuda"
+        # int32 upload: the step's table rows [max_num_seqs], then the changed ring entries'
+        # flat indices [max_updates] and their values [max_updates].
+        size = max_num_seqs + 2 * max_updates
+        self._upload_host = [
+            torch.zeros(size, dtype=torch.int32, pin_memory=on_cuda) for _ in range(depth)
+        ]
+        self._upload_np = [t.numpy() for t in self._upload_host]
+        self._upload_dev = torch.zeros(size, dtype=torch.int32, device=self.device)
+        self._table_row_dev = self._upload_dev[:max_num_seqs]
+        self._uploaded_rows: np.ndarray | None = None
+        self._info_dev = [
+            torch.zeros((max_num_seqs, 3), dtype=torch.int32, device=self.device)
+            for _ in range(depth)
+        ]
+        self._info_host = [
+            torch.zeros((max_num_seqs, 3), dtype=torch.int32, pin_memory=on_cuda)
+            for _ in range(depth)
+        ]
+        self._info_np = [t.numpy() for t in self._info_host]
+        self._staging_dev: list[torch.Tensor] = []
+        self._staging_host: list[torch.Tensor] = []
+        if destination == "staging":
+            torch_dtype = TORCH_DTYPES[self.dtype]
+            shape = tuple(capture_buffer.shape)
+            for _ in range(depth):
+                self._staging_dev.append(torch.empty(shape, dtype=torch_dtype, device=self.device))
+                self._staging_host.append(torch.empty(shape, dtype=torch_dtype, pin_memory=on_cuda))
+        self._ring_flat: torch.Tensor | None = None
+        self._launches: list[GatherPackLaunch] = []
+
+    def attach(self, ring_host: np.ndarray, arena_blocks: torch.Tensor) -> None:
+        """(Re)build the device copy of the host ring ``int32 [rows, W + 2]`` (slots, then
+        each row's block window) and the launches for the store arena ``[slots, B, L, K]``:
+        at start, and when either is replaced (the request table or the store grew)."""
+        ring = torch.from_numpy(ring_host).to(self.device, copy=True)
+        width = ring.shape[1] - 2
+        self._ring_flat = ring.view(-1)
+        staging = self.destination == "staging"
+        self._launches = [
+            GatherPackLaunch(
+                self.capture_buffer,
+                self._table_row_dev,
+                ring[:, :width],
+                ring[:, width:],
+                self._staging_dev[i] if staging else arena_blocks,
+                self._info_dev[i],
+                hash_block=self.block_size if staging else None,
+                num_slots=arena_blocks.shape[0] if staging else None,
+                impl=self._kernel_impl,
+            )
+            for i in range(self._depth)
+        ]
+
+    def launch(
+        self,
+        *,
+        table_row: np.ndarray,
+        ring_updates: tuple[np.ndarray, np.ndarray] | None,
+        query_start_loc: torch.Tensor,
+        positions: torch.Tensor,
+        num_rejected: torch.Tensor | None,
+        num_rows: int,
+    ) -> LaunchedStep:
+        """Bring the device's table rows and slot ring up to date, then launch the kernel.
+
+        ``table_row`` [R] int64 (numpy); ``ring_updates``: (flat ring index, value) int64
+        arrays, or None; ``query_start_loc``, ``positions``: the batch's device tensors.
+        """
+        num_reqs = len(table_row)
+        index = self._next
+        self._next = (index + 1) % self._depth
+        if ring_updates is not None or table_row is not self._uploaded_rows:
+            self._upload(index, table_row, ring_updates)
+        step = LaunchedStep(index, num_reqs, num_rows)
+        if num_reqs:
+            self._launches[index](
+                query_start_loc, positions, num_rejected, num_reqs=num_reqs, num_rows=num_rows
+            )
+        return step
+
+    def _upload(
+        self,
+        index: int,
+        table_row: np.ndarray,
+        ring_updates: tuple[np.ndarray, np.ndarray] | None,
+    ) -> None:
+        flat, values = ring_updates if ring_updates is not None else ((), ())
+        num_updates = len(flat)
+        if num_updates > self._max_updates:
+            raise OverflowError(f"{num_updates} slot-ring updates exceed {self._max_updates}")
+        host = self._upload_np[index]
+        at, values_at = self._max_seqs, self._max_seqs + self._max_updates
+        host[: len(table_row)] = table_row
+        host[at : at + num_updates] = flat
+        host[values_at : values_at + num_updates] = values
+        # The whole buffer: its table rows hold this step's, whatever the other buffer held.
+        self._upload_dev.copy_(self._upload_host[index], non_blocking=True)
+        self._uploaded_rows = table_row
+        if num_updates:
+            self._ring_flat.index_put_(
+                (self._upload_dev[at : at + num_updates],),
+                self._upload_dev[values_at : values_at + num_updates],
+            )
+
+    def copy_back(self, step: LaunchedStep) -> None:
+        """Start the copies of ``step``'s results into pinned host memory (copy stream)."""
+        if step.num_reqs == 0:
+            return
+        index = step.ring_index
+        self._info_host[index].copy_(self._info_dev[index], non_blocking=True)
+        step.step_info = self._info_np[index][: step.num_reqs]
+        if self.destination == "staging" and step.num_rows:
+            staged = self._staging_host[index][: step.num_rows]
+            staged.copy_(self._staging_dev[index][: step.num_rows], non_blocking=True)
+            step.staged_rows = staged.numpy()
+
+    def wait_idle(self) -> None:
+        """Wait for device work that may still write the arena (before it is replaced)."""
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)

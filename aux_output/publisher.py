@@ -1,0 +1,73 @@
+"""Publication: hand complete, keyed blocks to the store, with the scheduler's pins.
+
+A block is published once it is complete (the request's capture cursor passed its end) and
+its key has arrived; both happen in block order, so each request publishes a prefix of its
+unbound blocks. Publication binds the slot the kernel already filled to the key: no bytes
+move. Each store call folds in a step's reference changes (retained keys first, then
+released ones, as vLLM's store applies them), so the store sees exactly vLLM's sequence of
+updates.
+
+``publish`` decides on the spot which blocks leave the request table, but only queues the
+store call; ``flush`` applies the queued calls in order. ``begin_step`` publishes on the
+thread that launches the forward and the store work waits for the output thread, as vLLM's
+store work waits for its writer thread; whoever reads the store flushes first.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from r3capture.aux_output.request_table import RequestTable
+from r3capture.store import KEY_WORDS, BlockStore
+
+NO_KEYS = np.empty((0, KEY_WORDS), np.uint64)
+_NO_ROWS = np.empty(0, np.int64)
+
+
+class Publisher:
+    """Queues and applies the store calls of publication; frees slots of torn-down requests."""
+
+    def __init__(self, store: BlockStore, table: RequestTable, block_size: int) -> None:
+        self._store = store
+        self._table = table
+        self._block_size = block_size
+        self._queued: list[tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]] = []
+
+    def publish(
+        self,
+        rows: np.ndarray = _NO_ROWS,
+        retain_keys: np.ndarray = NO_KEYS,
+        release_keys: np.ndarray = NO_KEYS,
+    ) -> None:
+        """Take every complete, keyed, unbound block of table ``rows`` (int64, distinct) out
+        of the table and queue one store call that binds them and applies ``retain_keys``
+        then ``release_keys`` (key rows)."""
+        keys, slots = NO_KEYS, _NO_ROWS
+        if rows.size:
+            table = self._table
+            # A request without a cursor (-1) gets min(.., -1) - base < 0: nothing ready.
+            cursor_blocks = table.cursor[rows] // self._block_size
+            ready = np.minimum(table.num_keys[rows], cursor_blocks) - table.base[rows]
+            chosen = (ready > 0).nonzero()[0]
+            if chosen.size:
+                rows, ready = rows[chosen], ready[chosen]
+                bases = table.base[rows].tolist()
+                parts = [
+                    table.keys_of(row, base, base + count)
+                    for row, base, count in zip(rows.tolist(), bases, ready.tolist())
+                ]
+                keys = np.concatenate(parts) if len(parts) > 1 else parts[0]
+                slots = table.take_leading(rows, ready)
+        if len(keys) or len(retain_keys) or len(release_keys):
+            self._queued.append((keys, slots, retain_keys, release_keys))
+
+    def flush(self) -> None:
+        """Apply every queued store call, in the order it was queued."""
+        queued, self._queued = self._queued, []
+        for keys, slots, retain_keys, release_keys in queued:
+            self._store.bind(keys, slots, retain_keys=retain_keys, release_keys=release_keys)
+
+    def free(self, slots: np.ndarray) -> None:
+        """Return unbound slots (int64) of requests that are gone to the store's reserve."""
+        if len(slots):
+            self._store.free(slots)

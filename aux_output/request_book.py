@@ -1,0 +1,333 @@
+"""Request and block bookkeeping of the worker's data plane (numpy and the store; no locks).
+
+``RequestBook`` applies the scheduler's metadata (rows for new requests, keys for new block
+hashes, pins, teardown), plans each step's slots (only requests that enter a new hash block
+get one; everything else is already in the device slot ring), and commits processed steps
+(checks, cursors, emitted rows, publication, prefix-cache hits, deferred teardown). The
+worker serializes every call under its lock, in vLLM's call order. Store calls that
+``begin_step`` makes are queued and applied by the next ``process_output`` (``Publisher``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+import torch
+
+from r3capture.aux_output import envs
+from r3capture.aux_output.device_side import DeviceSide, LaunchedStep
+from r3capture.aux_output.errors import require
+from r3capture.aux_output.output_pool import OutputPool
+from r3capture.aux_output.publisher import NO_KEYS, Publisher
+from r3capture.aux_output.request_table import RequestTable
+from r3capture.aux_output.row_reader import RowReader
+from r3capture.aux_output.sizing import WorkerSizing
+from r3capture.aux_output.step_commit import StepLayout, commit_step
+from r3capture.aux_output.types import (
+    AuxOutputConnectorMetadata,
+    AuxRequestOutput,
+    key_rows_of,
+    key_rows_of_requests,
+)
+from r3capture.store import BlockStore
+
+_INDEX_DTYPES = (torch.int32, torch.int64)
+
+
+class RequestBook:
+    """The output rank's request table, store and step bookkeeping."""
+
+    def __init__(
+        self,
+        sizing: WorkerSizing,
+        *,
+        device: torch.device,
+        destination: str,
+        output_pool_bytes: int | None,
+        on_store_grow: Callable[[], None],
+    ) -> None:
+        self.sizing = sizing
+        B = self._block_size = sizing.hash_block_size
+        self._device = device
+        self.destination = destination
+        depth = sizing.max_concurrent_batches
+        step_blocks = -(-sizing.max_num_batched_tokens // B) + 1
+        # A request's unbound blocks span at most the steps in flight plus the one being
+        # prepared, each up to a full step of blocks, plus blocks waiting for their key.
+        self.ring_width = (depth + 1) * step_blocks + 1
+        self.table = RequestTable(self.ring_width, capacity=sizing.max_num_seqs + 1)
+        self.generation = 0
+        self.store = BlockStore(
+            max_bytes=sizing.max_bytes,
+            object_nbytes=sizing.block_nbytes,
+            # Blocks a step can touch plus each request's open block, for every step in
+            # flight (vLLM's staging bound), plus one step of blocks handed over by
+            # begin_step whose store call waits for the output thread.
+            reserve_slots=(depth + 1) * sizing.blocks_per_step + sizing.max_num_seqs,
+            # The kernel writes the arena through unified addressing: it must be pinned.
+            pin_memory=destination == "direct" and device.type == "cuda",
+            on_grow=on_store_grow,
+        )
+        if output_pool_bytes is None:
+            output_pool_bytes = envs.output_pool_bytes()
+        self._publisher = Publisher(self.store, self.table, B)
+        self._reader = RowReader(
+            self.store,
+            self.table,
+            block_size=B,
+            shape_per_token=sizing.shape_per_token,
+            dtype=sizing.dtype,
+            output_pool=OutputPool(max_bytes=output_pool_bytes),
+        )
+        self._attached: tuple[int, int] | None = None
+        # What crossed (or, on a CPU, would cross) from the device to the host, cumulative.
+        self.transfer_stats = {"steps": 0, "rows": 0, "bytes": 0}
+
+    def make_device_side(self, capture_buffer: torch.Tensor, kernel_impl: str) -> DeviceSide:
+        """The device half, sized from this book (one per worker)."""
+        return DeviceSide(
+            capture_buffer=capture_buffer,
+            dtype=self.sizing.dtype,
+            block_size=self._block_size,
+            max_num_seqs=self.sizing.max_num_seqs,
+            # New slots of one step, plus each growing request's window (two entries).
+            max_updates=self.sizing.blocks_per_step + 2 * self.sizing.max_num_seqs,
+            depth=self.sizing.max_concurrent_batches,
+            destination=self.destination,
+            kernel_impl=kernel_impl,
+        )
+
+    # ------------------------------------------------------------------ begin_step
+    def begin(self, metadata: AuxOutputConnectorMetadata) -> None:
+        """Apply a step's metadata; its store call (every retain, release and bind) is queued."""
+        table = self.table
+        # Pins named by the scheduler belong to the namespace it had before any bump.
+        retains = [key_rows_of(metadata.retained_block_hashes, self.generation)]
+        releases = [key_rows_of(metadata.released_block_hashes, self.generation)]
+        freed = None
+        if metadata.generation > self.generation:
+            releases.append(table.release_order(table.live_rows().tolist()))
+            freed = table.clear()
+            self.generation = metadata.generation
+        if metadata.requests:
+            rows = self._rows_adding(metadata.requests)
+            emit_starts = np.fromiter(metadata.requests.values(), np.int64, len(rows))
+            ahead = emit_starts > table.emit[rows]
+            if np.count_nonzero(ahead):
+                # Only settled requests count: in-flight steps lag the scheduler's view.
+                ahead &= table.pending[rows] == 0
+                require(not ahead.any(), "auxiliary output Scheduler emit cursor moved ahead")
+        updated = None
+        if metadata.block_hashes:
+            updated = [table.index[request_id] for request_id in metadata.block_hashes]
+            keys, counts = key_rows_of_requests(metadata.block_hashes.values(), self.generation)
+            table.add_keys(updated, keys, counts)
+            retains.append(keys)
+        finishing = []
+        for request_id in metadata.finished_requests:
+            row = table.index[request_id]
+            table.finished[row] = True
+            if not table.pending[row]:
+                finishing.append(request_id)
+        if finishing:
+            releases.append(table.release_order([table.index[r] for r in finishing]))
+        if updated is not None or len(retains) + len(releases) > 2 or retains[0].size:
+            updated_rows = np.asarray(updated if updated is not None else [], np.int64)
+            self._publisher.publish(updated_rows, _joined(retains), _joined(releases))
+        if finishing:
+            self._publisher.free(table.remove(finishing))
+        if freed is not None:
+            self._publisher.free(freed)
+
+    def _rows_adding(self, requests: dict[str, int]) -> np.ndarray:
+        """Table rows (int64 ``[R]``) of the scheduled requests; new ones are added with
+        their emit start."""
+        table = self.table
+        ids = list(requests)
+        try:
+            return table.rows(ids, cache="scheduled")
+        except KeyError:
+            for request_id in ids:
+                if request_id not in table.index:
+                    table.add(request_id, requests[request_id])
+            return table.rows(ids, cache="scheduled")
+
+    # ------------------------------------------------------------------ prepare_output
+    def layout_of(self, input_batch: Any) -> StepLayout:
+        """The step's request ids, table rows, scheduler starts and query_start_loc."""
+        request_ids = list(input_batch.req_ids)
+        num_reqs = len(request_ids)
+        if num_reqs > self.sizing.max_num_seqs:
+            raise ValueError(
+                f"input_batch has {num_reqs} requests, more than max_num_seqs "
+                f"({self.sizing.max_num_seqs})"
+            )
+        qsl = np.asarray(input_batch.query_start_loc_np[: num_reqs + 1], dtype=np.int64)
+        starts = np.asarray(input_batch.num_computed_tokens_np[:num_reqs], dtype=np.int64)
+        num_rows = int(qsl[-1]) if num_reqs else 0
+        if num_rows > self.sizing.max_num_batched_tokens:
+            raise ValueError(
+                f"input_batch has {num_rows} rows, more than max_num_batched_tokens "
+                f"({self.sizing.max_num_batched_tokens})"
+            )
+        if num_reqs == 0:
+            qsl = np.zeros(1, np.int64)
+        rows = self.table.rows(request_ids, cache="batch")
+        if rows is not self._checked_rows:
+            if len(set(request_ids)) != num_reqs:
+                raise ValueError(f"input_batch.req_ids names a request twice: {request_ids}")
+            self._checked_rows = rows
+        return StepLayout(request_ids, rows, starts, qsl)
+
+    _checked_rows: np.ndarray | None = None
+
+    def device_inputs_of(
+        self, input_batch: Any, layout: StepLayout
+    ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """The batch's device ``query_start_loc`` (``[>= R+1]``) and ``positions``
+        (``[>= num_rows]``), both 1-D; ``(None, None)`` for a step without requests."""
+        if not layout.request_ids:
+            return None, None
+        need = {
+            "query_start_loc": len(layout.request_ids) + 1,
+            "positions": int(layout.query_start_loc[-1]),
+        }
+        tensors = []
+        for name, length in need.items():
+            t = getattr(input_batch, name, None)
+            if type(t) is not torch.Tensor or t.dim() != 1 or t.dtype not in _INDEX_DTYPES:
+                got = type(t).__name__
+                if isinstance(t, torch.Tensor):
+                    got += f" {t.dtype} of shape {tuple(t.shape)}"
+                raise ValueError(
+                    f"input_batch.{name} must be the 1-D integer tensor on the device that "
+                    f"Model Runner V2 provides; got {got}"
+                )
+            if t.shape[0] < length or t.device != self._device:
+                raise ValueError(
+                    f"input_batch.{name} must hold >= {length} entries on {self._device}; got "
+                    f"{t.shape[0]} on {t.device}"
+                )
+            tensors.append(t)
+        return tensors[0], tensors[1]
+
+    def launch(
+        self,
+        layout: StepLayout,
+        query_start_loc: torch.Tensor | None,
+        positions: torch.Tensor | None,
+        num_rejected: torch.Tensor | None,
+        device_side: DeviceSide,
+    ) -> LaunchedStep:
+        """Give the step's requests the slots they need and launch the kernel."""
+        table = self.table
+        # The device ring mirrors the host ring; both are replaced when the table grows, and
+        # the kernel's destination when the store grows.
+        attached = (table.capacity, self.store.arena_version)
+        if attached != self._attached:
+            device_side.attach(table.ring, self._arena_blocks())
+            self._attached = attached
+        launched = device_side.launch(
+            table_row=layout.rows,
+            ring_updates=self._take_slots(layout),
+            query_start_loc=query_start_loc,
+            positions=positions,
+            num_rejected=num_rejected,
+            num_rows=int(layout.query_start_loc[-1]),
+        )
+        table.pending[layout.rows] += 1
+        return launched
+
+    def _take_slots(self, layout: StepLayout) -> tuple[list[int], list[int]] | None:
+        """New slots for the requests whose scheduled rows reach past their last block with a
+        slot; returns the ring entries that changed, or None when none did."""
+        B = self._block_size
+        lasts = (layout.token_starts + layout.num_tokens - 1) // B
+        grow = (lasts >= self.table.end[layout.rows]).nonzero()[0]
+        if not grow.size:
+            return None
+        table = self.table
+        rows = layout.rows[grow].tolist()
+        lasts = lasts[grow].tolist()
+        firsts = (layout.token_starts[grow] // B).tolist()
+        ends = table.end[rows].tolist()
+        count = sum(last + 1 - (end or first) for first, last, end in zip(firsts, lasts, ends))
+        return table.take_slots(rows, firsts, lasts, self.store.allocate(count))
+
+    def _arena_blocks(self) -> torch.Tensor:
+        """The store arena as ``[slots, B, L, K]`` of the row dtype (a view, no copy)."""
+        arena = self.store.arena
+        L, K = self.sizing.shape_per_token
+        torch_dtype = {1: torch.uint8, 2: torch.uint16}[self.sizing.dtype.itemsize]
+        return arena.view(torch_dtype).view(arena.shape[0], self._block_size, L, K)
+
+    # ------------------------------------------------------------------ process_output
+    def commit(
+        self,
+        layout: StepLayout,
+        launched: LaunchedStep,
+        num_sampled: np.ndarray,
+        num_rejected: np.ndarray,
+    ) -> dict[str, AuxRequestOutput]:
+        """Check the step, return its outputs, publish its blocks, read prefix hits."""
+        if not len(layout.rows):
+            self._publisher.flush()
+            return {}
+        plan = commit_step(
+            layout, self.table, num_sampled, num_rejected, launched.step_info, self._block_size
+        )
+        self._count_transfer(launched)
+        if launched.staged_rows is not None:
+            self._reader.place_staged(layout, launched.step_info, launched.staged_rows)
+        # Copy emitted rows out before any slot can be bound (and later reused).
+        outputs = self._reader.emit(layout, plan)
+        # Publish the whole step before materializing: a hit may need a block from it.
+        self._publisher.publish(layout.rows)
+        self._publisher.flush()
+        for i in plan.materialize.tolist():
+            request_id = layout.request_ids[i]
+            emit_start, token_end = int(plan.emit_starts[i]), int(plan.token_ends[i])
+            rows = self._reader.materialize(request_id, int(layout.rows[i]), emit_start, token_end)
+            outputs[request_id] = AuxRequestOutput(emit_start, rows)
+        return outputs
+
+    def settle(self, layout: StepLayout, *, teardown: bool) -> None:
+        """The step is no longer in flight; with ``teardown``, requests that finished while
+        it was tear down now (their keys released, their slots freed)."""
+        table = self.table
+        rows = layout.rows
+        table.pending[rows] -= 1
+        if not teardown or not np.count_nonzero(table.finished[rows]):
+            return
+        done = (table.finished[rows] & (table.pending[rows] == 0)).nonzero()[0]
+        if not done.size:
+            return
+        request_ids = [layout.request_ids[i] for i in done.tolist()]
+        self._publisher.publish(release_keys=table.release_order(rows[done].tolist()))
+        self._publisher.flush()
+        self._publisher.free(table.remove(request_ids))
+
+    def _count_transfer(self, launched: LaunchedStep) -> None:
+        stats = self.transfer_stats
+        stats["steps"] += 1
+        if launched.staged_rows is not None:
+            # The staging copy moves every scheduled row.
+            rows = launched.num_rows
+        else:
+            # Direct writes: exactly the rows the kernel wrote (statuses already checked OK).
+            info = launched.step_info
+            rows = int(np.add.reduce(info[:, 1])) if info is not None else 0
+        stats["rows"] += rows
+        stats["bytes"] += rows * self.sizing.row_nbytes
+
+    def close(self) -> None:
+        self.store.close()
+
+
+def _joined(parts: list[np.ndarray]) -> np.ndarray:
+    parts = [p for p in parts if len(p)]
+    if not parts:
+        return NO_KEYS
+    return parts[0] if len(parts) == 1 else np.concatenate(parts)

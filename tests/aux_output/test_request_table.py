@@ -1,0 +1,98 @@
+"""RequestTable: rows, keys and the per-request slot ring (numpy only, no torch, no store)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from r3capture.aux_output.request_table import NO_CURSOR, RequestTable
+from r3capture.store import KEY_WORDS
+
+
+def keys(*values: int) -> np.ndarray:
+    rows = np.zeros((len(values), KEY_WORDS), np.uint64)
+    rows[:, 1] = values
+    return rows
+
+
+def test_ring_holds_the_unbound_window_and_wraps():
+    table = RequestTable(ring_width=4)
+    a, b = table.add("a", 0), table.add("b", 0)
+    W2 = 4 + 2  # ring columns plus the block window
+    # a takes blocks 5..7 (its first), b blocks 0..1.
+    index, values = table.take_slots([a, b], [5, 0], [7, 1], np.array([10, 11, 12, 20, 21]))
+    assert index == [
+        a * W2 + 1, a * W2 + 2, a * W2 + 3, a * W2 + 4, a * W2 + 5,  # slots (block % 4), window
+        b * W2 + 0, b * W2 + 1, b * W2 + 4, b * W2 + 5,
+    ]  # fmt: skip
+    assert values == [10, 11, 12, 5, 7, 20, 21, 0, 1]
+    assert table.ring.reshape(-1)[index].tolist() == values
+    assert table.unbound_slots(np.array([a, b])).tolist() == [10, 11, 12, 20, 21]
+    # a hands blocks 5 and 6 to the store, then grows into columns that wrap around.
+    assert table.take_leading(np.array([a]), np.array([2])).tolist() == [10, 11]
+    assert (table.base[a], table.end[a]) == (7, 8)
+    _, values = table.take_slots([a], [99], [10], np.array([13, 14, 15]))
+    assert values == [13, 14, 15, 7, 10]  # firsts ignored: a had blocks already
+    assert table.unbound_slots(np.array([a])).tolist() == [12, 13, 14, 15]
+    assert table.ring[a].tolist() == [13, 14, 15, 12, 7, 10]  # blocks 8, 9, 10 wrapped
+    positions = np.array([7 * 16 + 3, 10 * 16 + 15])
+    assert table.arena_rows(np.array([a, a]), positions, 16).tolist() == [
+        12 * 16 + 3,
+        15 * 16 + 15,
+    ]
+
+
+def test_ring_overflow_is_refused_before_any_change():
+    table = RequestTable(ring_width=3)
+    a = table.add("a", 0)
+    table.take_slots([a], [0], [1], np.array([1, 2]))
+    ring = table.ring.copy()
+    with pytest.raises(OverflowError, match="more than the slot ring holds \\(3\\)"):
+        table.take_slots([a], [0], [3], np.array([3, 4]))
+    assert np.array_equal(table.ring, ring) and table.end[a] == 2
+
+
+def test_new_rows_have_an_empty_window():
+    table = RequestTable(ring_width=2, capacity=1)
+    rows = [table.add(name, 0) for name in "abc"]  # grows twice
+    for row in rows:
+        lo, hi = table.ring[row, 2:]
+        assert hi < lo and table.end[row] == 0
+
+
+def test_keys_grow_and_release_tail_first_in_row_order():
+    table = RequestTable(ring_width=2, capacity=1)
+    a = table.add("a", 0)
+    b = table.add("b", 0)  # the table grows past its capacity
+    table.add_keys([a, b], keys(1, 2, 3, 7), [3, 1])
+    table.add_keys([a], keys(*range(4, 40)), [36])
+    assert table.num_keys[a] == 39 and table.num_keys[b] == 1
+    assert table.keys_of(a, 1, 4)[:, 1].tolist() == [2, 3, 4]
+    order = table.release_order([b, a])[:, 1].tolist()
+    assert order == [7, *range(39, 0, -1)]
+
+
+def test_removed_rows_are_reused_fresh_and_version_bumps():
+    table = RequestTable(ring_width=4)
+    a = table.add("a", 5)
+    table.cursor[a] = 9
+    table.add_keys([a], keys(1), [1])
+    table.take_slots([a], [0], [1], np.array([3, 4]))
+    version = table.version
+    assert table.remove(["a"]).tolist() == [3, 4]
+    assert table.version > version and "a" not in table.index
+    again = table.add("c", 2)
+    assert again == a
+    assert (table.cursor[again], table.emit[again], table.num_keys[again]) == (NO_CURSOR, 2, 0)
+    assert table.end[again] == 0 and len(table.release_order([again])) == 0
+    with pytest.raises(KeyError):
+        table.rows(["a"])
+
+
+def test_clear_frees_every_unbound_slot_in_add_order():
+    table = RequestTable(ring_width=4)
+    rows = [table.add(name, 0) for name in ("x", "y", "z")]
+    table.take_slots(rows, [0, 3, 5], [0, 4, 5], np.array([7, 8, 9, 6]))
+    assert table.live_rows().tolist() == rows
+    assert table.clear().tolist() == [7, 8, 9, 6]
+    assert len(table) == 0

@@ -1,0 +1,119 @@
+"""commit_step: vLLM 0.33.0's checks, cursors and emit decisions, on numpy arrays alone."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from r3capture.aux_output.errors import AuxOutputProtocolError
+from r3capture.aux_output.request_table import NO_CURSOR, RequestTable
+from r3capture.aux_output.step_commit import StepLayout, commit_step
+
+B = 4
+
+
+def setup(cursors, scheduled=None, emits=None):
+    table = RequestTable(ring_width=8)
+    names = [f"r{i}" for i in range(len(cursors))]
+    for i, name in enumerate(names):
+        row = table.add(name, 0 if emits is None else emits[i])
+        table.cursor[row] = cursors[i]
+        table.scheduled[row] = 0 if scheduled is None else scheduled[i]
+    return table, names
+
+
+def layout(table, names, starts, counts):
+    qsl = np.zeros(len(names) + 1, np.int64)
+    np.cumsum(counts, out=qsl[1:])
+    return StepLayout(names, table.rows(names), np.asarray(starts, np.int64), qsl)
+
+
+def info(starts, written):
+    return np.stack([starts, written, np.zeros(len(starts))], axis=1).astype(np.int32)
+
+
+def test_reattach_after_rejection_and_emit_split():
+    # r0 continues at its cursor; r1's scheduler start (12) is past its cursor (10): the
+    # suffix was rejected and its rows belong at 10. r2 is a prefix hit emitting from 0.
+    table, names = setup([8, 10, NO_CURSOR], scheduled=[8, 12, 0], emits=[8, 10, 0])
+    step = layout(table, names, [8, 12, 16], [1, 4, 3])
+    plan = commit_step(
+        step,
+        table,
+        num_sampled=np.array([1, 2, 1]),
+        num_rejected=np.array([0, 2, 0]),
+        step_info=info([8, 10, 16], [1, 2, 3]),
+        block_size=B,
+    )
+    assert plan.capture_starts.tolist() == [8, 10, 16]
+    assert plan.token_ends.tolist() == [9, 12, 19]
+    assert plan.direct.tolist() == [0, 1] and plan.materialize.tolist() == [2]
+    rows = step.rows
+    assert table.cursor[rows].tolist() == [9, 12, 19]
+    assert table.scheduled[rows].tolist() == [9, 16, 19]
+    assert table.emit[rows].tolist() == [9, 12, 19]
+
+
+def test_nothing_sampled_emits_nothing_and_keeps_the_emit_cursor():
+    table, names = setup([NO_CURSOR], emits=[0])
+    step = layout(table, names, [0], [8])
+    plan = commit_step(step, table, np.array([0]), np.array([0]), info([0], [8]), B)
+    assert plan.direct.size == 0 and plan.materialize.size == 0
+    assert table.emit[step.rows].tolist() == [0] and table.cursor[step.rows].tolist() == [8]
+
+
+@pytest.mark.parametrize(
+    "cursors, scheduled, starts, counts, rejected, message, culprit",
+    [
+        ([4, 4], [4, 4], [4, 4], [1, 0], [0, 0], "token count must be positive", "r1"),
+        ([4, 4], [4, 4], [4, 4], [2, 2], [0, 3], "rejected-token count is invalid", "r1"),
+        ([4, 4], [4, 4], [4, 4], [2, 2], [-1, 0], "rejected-token count is invalid", "r0"),
+        ([4, 8], [4, 8], [4, 6], [1, 1], [0, 0], "capture moved backwards", "r1"),
+        ([4, 8], [4, 8], [4, 9], [1, 1], [0, 0], "unbacked token gap", "r1"),
+        ([4, NO_CURSOR], [4, 0], [4, 5], [1, 2], [0, 0], "not contiguous", "r1"),
+        # The first failing request names the error, whatever the later ones fail.
+        ([8, 4], [8, 4], [6, 4], [1, 0], [0, 0], "capture moved backwards", "r0"),
+    ],
+)
+def test_first_failing_request_names_vllms_error(
+    cursors, scheduled, starts, counts, rejected, message, culprit
+):
+    table, names = setup(cursors, scheduled=scheduled)
+    before = (table.cursor.copy(), table.emit.copy(), table.scheduled.copy())
+    step = layout(table, names, starts, counts)
+    with pytest.raises(AuxOutputProtocolError, match=f"{message}.*request={culprit}"):
+        sampled = np.ones(2, np.int32)
+        commit_step(step, table, sampled, np.array(rejected), info(starts, counts), block_size=B)
+    assert all(np.array_equal(a, b) for a, b in zip(before, (table.cursor, table.emit,
+                                                          table.scheduled)))  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "step_info, what",
+    [
+        (np.array([[4, 2, 2]], np.int32), "status=2"),
+        (np.array([[4, 1, 0]], np.int32), "rows written=1 of 2"),
+        (np.array([[5, 2, 0]], np.int32), "start=5 \\(expected 4\\)"),
+    ],
+)
+def test_kernel_results_that_disagree_fail_closed(step_info, what):
+    table, names = setup([4])
+    step = layout(table, names, [4], [2])
+    with pytest.raises(AuxOutputProtocolError, match=f"not placed by the capture kernel.*{what}"):
+        commit_step(step, table, np.ones(1, int), np.zeros(1, int), step_info, block_size=B)
+
+
+@pytest.mark.parametrize(
+    "sampled, rejected, name",
+    [
+        (np.ones(1), np.zeros(2, np.int32), "num_sampled"),  # float
+        (np.ones(2, np.int32), np.zeros(1, np.int32), "num_rejected"),  # too short
+        (np.ones((2, 1), np.int32), np.zeros(2, np.int32), "num_sampled"),  # 2-D
+    ],
+)
+def test_host_counts_of_the_wrong_shape_are_named(sampled, rejected, name):
+    table, names = setup([4, 4])
+    step = layout(table, names, [4, 4], [1, 1])
+    with pytest.raises(ValueError, match=f"{name} must be a 1-D integer array of >= 2 counts"):
+        commit_step(step, table, sampled, rejected, info([4, 4], [1, 1]), block_size=B)
+    assert table.cursor[step.rows].tolist() == [4, 4]
