@@ -9,10 +9,12 @@ reference), and its time says nothing about a GPU host. So neither side's emulat
 * vLLM: ``SnapshotStandIn`` replaces the capturer. The harness computes the cast with
   ``stage()`` before the timed ``prepare_output``; inside it, ``snapshot_routing_data``
   runs ``launch_stand_in()`` once and returns the cast already made.
-* r3capture: ``KernelStandIn`` wraps the name its worker calls (``kernel_binding()``). The
+* r3capture: ``KernelStandIn`` wraps the kernel's CPU emulation, the torch reference that
+  ``GatherPackLaunch`` runs in place of the Triton launch (``kernel_binding()``). The
   reference still runs (the outputs need its writes), but its wall and thread-CPU time are
   added to ``excluded_*``, which the harness subtracts from the enclosing call, and
-  ``launch_stand_in()`` runs once per launch, inside the enclosing call's time.
+  ``launch_stand_in()`` runs once per launch, inside the enclosing call's time. Everything
+  the launch does on the host before the kernel (the per-step argument checks) counts.
 
 ``launch_stand_in`` is one tiny torch op (a 64-element int32 -> uint8 copy): the fixed cost of
 entering torch's dispatcher for one operation, which is what a launch costs the host thread
@@ -56,15 +58,12 @@ def measure(calls: int = 5000) -> dict[str, float]:
     }
 
 
-# The name r3capture's worker calls its kernel by, newest layout first.
-KERNEL_BINDINGS = (
-    ("r3capture.aux_output.device_side", "gather_pack"),
-    ("r3capture.aux_output.worker", "gather_pack"),
-)
+# The kernel's CPU emulation, which GatherPackLaunch imports when it is called.
+KERNEL_BINDINGS = (("r3capture.kernels.reference", "gather_pack_reference_checked"),)
 
 
 def kernel_binding() -> tuple[ModuleType, str]:
-    """(module, attribute) through which r3capture's worker calls ``gather_pack``."""
+    """(module, attribute) of the function that emulates r3capture's kernel on a CPU."""
     for module_name, attr in KERNEL_BINDINGS:
         try:
             module = importlib.import_module(module_name)
