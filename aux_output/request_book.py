@@ -34,6 +34,8 @@ from r3capture.aux_output.types import (
 from r3capture.store import BlockStore
 
 _INDEX_DTYPES = (torch.int32, torch.int64)
+# How far past its scheduled rows a request's slots reach when it takes new ones.
+LOOKAHEAD_TOKENS = 64
 
 
 class RequestBook:
@@ -50,22 +52,28 @@ class RequestBook:
     ) -> None:
         self.sizing = sizing
         B = self._block_size = sizing.hash_block_size
+        self._row_nbytes = sizing.row_nbytes
         self._device = device
         self.destination = destination
         depth = sizing.max_concurrent_batches
         step_blocks = -(-sizing.max_num_batched_tokens // B) + 1
+        # A request that needs a new slot takes LOOKAHEAD_TOKENS more: most decode steps then
+        # find their block already in the device ring and upload nothing (bench/RESULTS.md).
+        self._lookahead = -(-LOOKAHEAD_TOKENS // B)
         # A request's unbound blocks span at most the steps in flight plus the one being
-        # prepared, each up to a full step of blocks, plus blocks waiting for their key.
-        self.ring_width = (depth + 1) * step_blocks + 1
+        # prepared, each up to a full step of blocks, blocks waiting for their key, and the
+        # lookahead.
+        self.ring_width = (depth + 1) * step_blocks + 1 + self._lookahead
         self.table = RequestTable(self.ring_width, capacity=sizing.max_num_seqs + 1)
         self.generation = 0
         self.store = BlockStore(
             max_bytes=sizing.max_bytes,
             object_nbytes=sizing.block_nbytes,
-            # Blocks a step can touch plus each request's open block, for every step in
-            # flight (vLLM's staging bound), plus one step of blocks handed over by
+            # Blocks a step can touch plus each request's open block and lookahead, for every
+            # step in flight (vLLM's staging bound), plus one step of blocks handed over by
             # begin_step whose store call waits for the output thread.
-            reserve_slots=(depth + 1) * sizing.blocks_per_step + sizing.max_num_seqs,
+            reserve_slots=(depth + 1) * sizing.blocks_per_step
+            + sizing.max_num_seqs * (1 + self._lookahead),
             # The kernel writes the arena through unified addressing: it must be pinned.
             pin_memory=destination == "direct" and device.type == "cuda",
             on_grow=on_store_grow,
@@ -82,6 +90,10 @@ class RequestBook:
             output_pool=OutputPool(max_bytes=output_pool_bytes),
         )
         self._attached: tuple[int, int] | None = None
+        # Steps launched and not yet settled, oldest first; finished requests whose teardown
+        # waits for them.
+        self._in_flight: list[StepLayout] = []
+        self._deferred = 0
         # What crossed (or, on a CPU, would cross) from the device to the host, cumulative.
         self.transfer_stats = {"steps": 0, "rows": 0, "bytes": 0}
 
@@ -92,8 +104,9 @@ class RequestBook:
             dtype=self.sizing.dtype,
             block_size=self._block_size,
             max_num_seqs=self.sizing.max_num_seqs,
-            # New slots of one step, plus each growing request's window (two entries).
-            max_updates=self.sizing.blocks_per_step + 2 * self.sizing.max_num_seqs,
+            # New slots of one step (lookahead included), and each growing request's window.
+            max_updates=self.sizing.blocks_per_step
+            + self.sizing.max_num_seqs * (2 + self._lookahead),
             depth=self.sizing.max_concurrent_batches,
             destination=self.destination,
             kernel_impl=kernel_impl,
@@ -117,7 +130,7 @@ class RequestBook:
             ahead = emit_starts > table.emit[rows]
             if np.count_nonzero(ahead):
                 # Only settled requests count: in-flight steps lag the scheduler's view.
-                ahead &= table.pending[rows] == 0
+                ahead &= ~np.isin(rows, self._rows_in_flight())
                 require(not ahead.any(), "auxiliary output Scheduler emit cursor moved ahead")
         updated = None
         if metadata.block_hashes:
@@ -126,11 +139,15 @@ class RequestBook:
             table.add_keys(updated, keys, counts)
             retains.append(keys)
         finishing = []
-        for request_id in metadata.finished_requests:
-            row = table.index[request_id]
-            table.finished[row] = True
-            if not table.pending[row]:
-                finishing.append(request_id)
+        if metadata.finished_requests:
+            in_flight = set(self._rows_in_flight().tolist())
+            for request_id in metadata.finished_requests:
+                row = table.index[request_id]
+                table.finished[row] = True
+                if row in in_flight:
+                    self._deferred += 1  # torn down by the last of its steps in flight
+                else:
+                    finishing.append(request_id)
         if finishing:
             releases.append(table.release_order([table.index[r] for r in finishing]))
         if updated is not None or len(retains) + len(releases) > 2 or retains[0].size:
@@ -164,8 +181,9 @@ class RequestBook:
                 f"input_batch has {num_reqs} requests, more than max_num_seqs "
                 f"({self.sizing.max_num_seqs})"
             )
-        qsl = np.asarray(input_batch.query_start_loc_np[: num_reqs + 1], dtype=np.int64)
-        starts = np.asarray(input_batch.num_computed_tokens_np[:num_reqs], dtype=np.int64)
+        # Views: Model Runner V2 makes these arrays anew for every step.
+        qsl = np.asarray(input_batch.query_start_loc_np)[: num_reqs + 1]
+        starts = np.asarray(input_batch.num_computed_tokens_np)[:num_reqs]
         num_rows = int(qsl[-1]) if num_reqs else 0
         if num_rows > self.sizing.max_num_batched_tokens:
             raise ValueError(
@@ -190,28 +208,11 @@ class RequestBook:
         (``[>= num_rows]``), both 1-D; ``(None, None)`` for a step without requests."""
         if not layout.request_ids:
             return None, None
-        need = {
-            "query_start_loc": len(layout.request_ids) + 1,
-            "positions": int(layout.query_start_loc[-1]),
-        }
-        tensors = []
-        for name, length in need.items():
-            t = getattr(input_batch, name, None)
-            if type(t) is not torch.Tensor or t.dim() != 1 or t.dtype not in _INDEX_DTYPES:
-                got = type(t).__name__
-                if isinstance(t, torch.Tensor):
-                    got += f" {t.dtype} of shape {tuple(t.shape)}"
-                raise ValueError(
-                    f"input_batch.{name} must be the 1-D integer tensor on the device that "
-                    f"Model Runner V2 provides; got {got}"
-                )
-            if t.shape[0] < length or t.device != self._device:
-                raise ValueError(
-                    f"input_batch.{name} must hold >= {length} entries on {self._device}; got "
-                    f"{t.shape[0]} on {t.device}"
-                )
-            tensors.append(t)
-        return tensors[0], tensors[1]
+        qsl = _device_index(input_batch, "query_start_loc", len(layout.rows) + 1, self._device)
+        positions = _device_index(
+            input_batch, "positions", int(layout.query_start_loc[-1]), self._device
+        )
+        return qsl, positions
 
     def launch(
         self,
@@ -237,12 +238,19 @@ class RequestBook:
             num_rejected=num_rejected,
             num_rows=int(layout.query_start_loc[-1]),
         )
-        table.pending[layout.rows] += 1
+        self._in_flight.append(layout)
         return launched
 
-    def _take_slots(self, layout: StepLayout) -> tuple[list[int], list[int]] | None:
+    def _rows_in_flight(self) -> np.ndarray:
+        """Table rows of every request with a step in flight (int64, with repeats)."""
+        if not self._in_flight:
+            return np.empty(0, np.int64)
+        return np.concatenate([layout.rows for layout in self._in_flight])
+
+    def _take_slots(self, layout: StepLayout) -> tuple[np.ndarray, np.ndarray] | None:
         """New slots for the requests whose scheduled rows reach past their last block with a
-        slot; returns the ring entries that changed, or None when none did."""
+        slot (and ``LOOKAHEAD_TOKENS`` beyond); returns the ring entries that changed, or
+        None when none did."""
         B = self._block_size
         lasts = (layout.token_starts + layout.num_tokens - 1) // B
         grow = (lasts >= self.table.end[layout.rows]).nonzero()[0]
@@ -250,7 +258,7 @@ class RequestBook:
             return None
         table = self.table
         rows = layout.rows[grow].tolist()
-        lasts = lasts[grow].tolist()
+        lasts = (lasts[grow] + self._lookahead).tolist()
         firsts = (layout.token_starts[grow] // B).tolist()
         ends = table.end[rows].tolist()
         count = sum(last + 1 - (end or first) for first, last, end in zip(firsts, lasts, ends))
@@ -298,12 +306,13 @@ class RequestBook:
         it was tear down now (their keys released, their slots freed)."""
         table = self.table
         rows = layout.rows
-        table.pending[rows] -= 1
-        if not teardown or not np.count_nonzero(table.finished[rows]):
+        self._in_flight.remove(layout)
+        if not teardown or not self._deferred:
             return
-        done = (table.finished[rows] & (table.pending[rows] == 0)).nonzero()[0]
+        done = (table.finished[rows] & ~np.isin(rows, self._rows_in_flight())).nonzero()[0]
         if not done.size:
             return
+        self._deferred -= len(done)
         request_ids = [layout.request_ids[i] for i in done.tolist()]
         self._publisher.publish(release_keys=table.release_order(rows[done].tolist()))
         self._publisher.flush()
@@ -320,10 +329,29 @@ class RequestBook:
             info = launched.step_info
             rows = int(np.add.reduce(info[:, 1])) if info is not None else 0
         stats["rows"] += rows
-        stats["bytes"] += rows * self.sizing.row_nbytes
+        stats["bytes"] += rows * self._row_nbytes
 
     def close(self) -> None:
         self.store.close()
+
+
+def _device_index(input_batch: Any, name: str, length: int, device: torch.device) -> torch.Tensor:
+    """``input_batch.<name>``: a 1-D integer tensor on ``device`` with ``>= length`` entries."""
+    t = getattr(input_batch, name, None)
+    if type(t) is not torch.Tensor or t.dim() != 1 or t.dtype not in _INDEX_DTYPES:
+        got = type(t).__name__
+        if isinstance(t, torch.Tensor):
+            got += f" {t.dtype} of shape {tuple(t.shape)}"
+        raise ValueError(
+            f"input_batch.{name} must be the 1-D integer tensor on the device that Model "
+            f"Runner V2 provides; got {got}"
+        )
+    if t.shape[0] < length or t.device != device:
+        raise ValueError(
+            f"input_batch.{name} must hold >= {length} entries on {device}; got "
+            f"{t.shape[0]} on {t.device}"
+        )
+    return t
 
 
 def _joined(parts: list[np.ndarray]) -> np.ndarray:

@@ -10,8 +10,8 @@ unbound blocks are always one contiguous range of at most ``W`` blocks. Two more
 when the row last took new slots; the device keeps a copy of the whole ring.
 
 The table owns these invariants; callers change state only through its methods, except the
-cursor columns (``cursor``, ``scheduled``, ``emit``, ``pending``, ``finished``) that the step
-commit writes as whole vectors.
+cursor columns (``cursor``, ``scheduled``, ``emit``, ``finished``) that the step commit writes
+as whole vectors.
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ class RequestTable:
         capacity: initial number of rows (doubles when full).
     """
 
-    _INT_FIELDS = ("cursor", "scheduled", "emit", "pending", "base", "end", "num_keys")
+    _INT_FIELDS = ("cursor", "scheduled", "emit", "base", "end", "num_keys")
 
     def __init__(self, ring_width: int, capacity: int = 64) -> None:
         self.ring_width = int(ring_width)
@@ -45,11 +45,11 @@ class RequestTable:
         self.version = 0
         self._rows_cache: dict[str, tuple[int, list[str], np.ndarray]] = {}
         # cursor: end of the captured rows (NO_CURSOR before the first capture); scheduled:
-        # end of the last scheduled range; emit: first row not yet returned; pending: steps
-        # in flight covering the request; base: first unbound block; end: one past the last
+        # end of the last scheduled range; emit: first row not yet returned; base: first
+        # unbound block; end: one past the last
         # block with a slot (0 until the request takes its first slots); num_keys: store
         # keys known (one per hash block).
-        self.cursor = self.scheduled = self.emit = self.pending = np.empty(0, np.int64)
+        self.cursor = self.scheduled = self.emit = np.empty(0, np.int64)
         self.base = self.end = self.num_keys = np.empty(0, np.int64)
         self.finished = np.empty(0, bool)
         self.ring = np.empty((0, self.ring_width + 2), np.int32)
@@ -88,7 +88,7 @@ class RequestTable:
         self.version += 1
         self.cursor[row] = NO_CURSOR
         self.emit[row] = emit_start
-        self.scheduled[row] = self.pending[row] = self.base[row] = self.end[row] = 0
+        self.scheduled[row] = self.base[row] = self.end[row] = 0
         self.num_keys[row] = 0
         self.finished[row] = False
         self._keys[row] = _EMPTY_KEYS
@@ -157,14 +157,14 @@ class RequestTable:
     # ---------------------------------------------------------------- slots
     def take_slots(
         self, rows: list[int], firsts: list[int], lasts: list[int], slots: np.ndarray
-    ) -> tuple[list[int], list[int]]:
+    ) -> tuple[np.ndarray, np.ndarray]:
         """Extend each ``rows[i]`` (distinct) to blocks up to ``lasts[i]`` with new slots taken
         in order from ``slots``; ``firsts[i]`` is the row's first block if it had none yet
         (ignored otherwise). Returns the ring entries that changed, for the device copy:
         ``(flat index into ring, value)``: each row's new slots, then its window's two ends.
 
-        One short loop over the rows that grow (a decode step grows a few; each takes one
-        block): numpy's per-call cost would exceed the work at these sizes.
+        One short loop over the rows that grow (a decode step grows a few), each row's run of
+        blocks written with one numpy call (a prefill chunk's run is hundreds of blocks).
         Raises ``OverflowError`` (before any change) when a request would hold more than
         ``ring_width`` unbound blocks.
         """
@@ -183,32 +183,37 @@ class RequestTable:
                     f"ring holds ({width})"
                 )
             plans.append((row, base, start, last))
-        index: list[int] = []
-        values: list[int] = []
+        index, values = [], []
         taken = 0
         for row, base, start, last in plans:
             count = last + 1 - start
-            new = slots[taken : taken + count].tolist()
+            new = slots[taken : taken + count]
             taken += count
-            columns = [row * stride + block % width for block in range(start, last + 1)]
+            columns = np.arange(start, last + 1, dtype=np.int64)
+            columns %= width
+            columns += row * stride
             ring[columns] = new
-            index += columns
-            values += new
-            base_of[row] = base
+            window = row * stride + width
+            ring[window] = base_of[row] = base
+            ring[window + 1] = last
             end_of[row] = last + 1
-            ring[row * stride + width] = base
-            ring[row * stride + width + 1] = last
-            index += (row * stride + width, row * stride + width + 1)
-            values += (base, last)
-        return index, values
+            index += (columns, (window, window + 1))
+            values += (new, (base, last))
+        return np.concatenate(index), np.concatenate(values)
 
-    def take_leading(self, rows: np.ndarray, counts: np.ndarray) -> np.ndarray:
+    def take_leading(self, rows: list[int], counts: list[int]) -> list[int]:
         """Hand the first ``counts[i]`` unbound blocks of each ``rows[i]`` (distinct) over to
-        the store: returns their slots (int64, row by row, block order) and advances
-        ``base``."""
-        row_of, block = _block_runs(rows, self.base[rows], counts)
-        slots = self.ring[row_of, block % self.ring_width].astype(np.int64)
-        self.base[rows] += counts
+        the store: returns their slots (row by row, block order) and advances ``base``.
+
+        A loop over the rows, like ``take_slots``: a step hands over a few blocks."""
+        width = self.ring_width
+        ring, base_of = self.ring, self.base
+        slots: list[int] = []
+        for row, count in zip(rows, counts):
+            base = int(base_of[row])
+            columns = [block % width for block in range(base, base + count)]
+            slots += ring[row, columns].tolist()
+            base_of[row] = base + count
         return slots
 
     def unbound_slots(self, rows: np.ndarray) -> np.ndarray:

@@ -12,13 +12,12 @@ and for that request the checks come in vLLM's order.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 
 from r3capture.aux_output.errors import AuxOutputProtocolError
-from r3capture.aux_output.request_table import NO_CURSOR, RequestTable
+from r3capture.aux_output.request_table import RequestTable
 
 _CHECKS = (
     "auxiliary output request token count must be positive",
@@ -30,18 +29,26 @@ _CHECKS = (
 )
 
 
-@dataclass
 class StepLayout:
-    """What ``prepare_output`` knew about a step (all int64, one entry per request)."""
+    """What ``prepare_output`` knew about a step, one entry per request: ``request_ids``,
+    ``rows`` (request-table rows, int64 ``[R]``), ``token_starts`` (the scheduler's start of
+    each request's rows, ``[R]``), ``query_start_loc`` (``[R + 1]``) and ``num_tokens``
+    (rows scheduled per request, ``[R]``); integer arrays."""
 
-    request_ids: list[str]
-    rows: np.ndarray  # request-table rows [R]
-    token_starts: np.ndarray  # the scheduler's start of each request's rows [R]
-    query_start_loc: np.ndarray  # [R + 1]
-    num_tokens: np.ndarray = field(init=False)  # rows scheduled per request [R]
+    __slots__ = ("request_ids", "rows", "token_starts", "query_start_loc", "num_tokens")
 
-    def __post_init__(self) -> None:
-        self.num_tokens = self.query_start_loc[1:] - self.query_start_loc[:-1]
+    def __init__(
+        self,
+        request_ids: list[str],
+        rows: np.ndarray,
+        token_starts: np.ndarray,
+        query_start_loc: np.ndarray,
+    ) -> None:
+        self.request_ids = request_ids
+        self.rows = rows
+        self.token_starts = token_starts
+        self.query_start_loc = query_start_loc
+        self.num_tokens = query_start_loc[1:] - query_start_loc[:-1]
 
 
 @dataclass
@@ -84,25 +91,25 @@ def commit_step(
     rejected = rejected.astype(np.int64, copy=False)
     accepted = num_tokens - rejected
     cursor = table.cursor[rows]
-    fresh = cursor == NO_CURSOR
-    cursor = np.where(fresh, starts, cursor)
+    fresh = cursor < 0  # NO_CURSOR: the request's first capture starts where scheduled
+    cursor = np.maximum(cursor, starts * fresh)
     reattach = starts > cursor
-    capture_starts = np.where(reattach, cursor, starts)
+    capture_starts = np.minimum(starts, cursor)
     checks = (
         num_tokens <= 0,
-        (rejected < 0) | (accepted < 0),
+        (accepted < 0) | (accepted > num_tokens),
         starts < cursor,
         reattach & (cursor >= table.scheduled[rows]),
         fresh & (accepted > 0) & (capture_starts % block_size != 0),
     )
     failed = checks[0] | checks[1] | checks[2] | checks[3] | checks[4]
-    if np.count_nonzero(failed):
-        first = int(np.argmax(failed))
-        message = next(text for mask, text in zip(checks, _CHECKS) if mask[first])
-        raise AuxOutputProtocolError(f"{message}: request={layout.request_ids[first]}")
+    bad = failed
     if step_info is not None:
-        _check_kernel(layout.request_ids, step_info, capture_starts, accepted)
-
+        # The kernel placed every accepted row where the host expects it.
+        bad = bad | (step_info[:, 2] != 0) | (step_info[:, 1] < accepted)
+        bad |= step_info[:, 0] != capture_starts
+    if np.count_nonzero(bad):
+        _raise_first_error(layout, checks, failed, bad, step_info, capture_starts, accepted)
     token_ends = capture_starts + accepted
     emit_starts = table.emit[rows]
     emits = (sampled > 0) & (emit_starts <= token_ends)
@@ -116,21 +123,28 @@ def commit_step(
     return CommitPlan(capture_starts, token_ends, emit_starts, direct, materialize)
 
 
-def _check_kernel(
-    request_ids: Sequence[str],
-    step_info: np.ndarray,
-    expected_starts: np.ndarray,
+
+
+def _raise_first_error(
+    layout: StepLayout,
+    checks: tuple[np.ndarray, ...],
+    failed: np.ndarray,
+    bad: np.ndarray,
+    step_info: np.ndarray | None,
+    capture_starts: np.ndarray,
     accepted: np.ndarray,
 ) -> None:
-    """Every request's rows were placed where the host expects them, all of them."""
-    bad = (step_info[:, 2] != 0) | (step_info[:, 1] < accepted)
-    bad |= step_info[:, 0] != expected_starts
-    if np.count_nonzero(bad):
-        i = int(np.argmax(bad))
-        start, written, status = (int(x) for x in step_info[i])
-        raise AuxOutputProtocolError(
-            "auxiliary output rows were not placed by the capture kernel: "
-            f"request={request_ids[i]}, status={status}, start={start} "
-            f"(expected {int(expected_starts[i])}), rows written={written} of "
-            f"{int(accepted[i])} accepted; the device and host rejected counts must agree"
-        )
+    """vLLM's error for the first request failing a protocol check (in vLLM's order of
+    checks); failing none, the first request the kernel did not place as expected."""
+    if np.count_nonzero(failed):
+        first = int(np.argmax(failed))
+        message = next(text for mask, text in zip(checks, _CHECKS) if mask[first])
+        raise AuxOutputProtocolError(f"{message}: request={layout.request_ids[first]}")
+    i = int(np.argmax(bad))
+    start, written, status = (int(x) for x in step_info[i])
+    raise AuxOutputProtocolError(
+        "auxiliary output rows were not placed by the capture kernel: "
+        f"request={layout.request_ids[i]}, status={status}, start={start} "
+        f"(expected {int(capture_starts[i])}), rows written={written} of "
+        f"{int(accepted[i])} accepted; the device and host rejected counts must agree"
+    )

@@ -58,11 +58,15 @@ else:
         rows: np.ndarray
 
 
+_NO_KEY_ROWS = np.empty((0, KEY_WORDS), np.uint64)
+_NO_KEY_ROWS.flags.writeable = False
+
+
 def key_rows_of(block_hashes: PackedBlockHashes | None, generation: int) -> np.ndarray:
     """Store key rows (``uint64 [n, KEY_WORDS]``) of vLLM's keys
     ``vllm-artifact/{generation}/{hash.hex()}``, one per hash, in order."""
     if block_hashes is None or not block_hashes.data:
-        return np.empty((0, KEY_WORDS), np.uint64)
+        return _NO_KEY_ROWS
     return key_rows(generation, block_hashes.data, block_hashes.item_size)
 
 
@@ -74,14 +78,14 @@ def key_rows_of_requests(
     One conversion over all requests' hashes: a speculative step completes blocks in dozens
     of requests, and a call per request cost more than the keys themselves.
     """
-    packed = list(block_hashes)
-    counts = [0 if h is None else len(h.data) // h.item_size for h in packed]
-    sizes = {h.item_size for h in packed if h is not None and h.data}
+    packed = [h for h in block_hashes]
+    sizes = {h.item_size for h in packed if h is not None}
     if len(sizes) > 1:
         parts = [key_rows_of(h, generation) for h in packed]
-        return np.concatenate(parts), counts
-    data = b"".join(h.data for h in packed if h is not None)
-    return key_rows(generation, data, sizes.pop() if sizes else 32), counts
+        return np.concatenate(parts), [len(part) for part in parts]
+    size = sizes.pop() if sizes else 32
+    data = [b"" if h is None else h.data for h in packed]
+    return key_rows(generation, b"".join(data), size), [len(d) // size for d in data]
 
 
 __all__ = [

@@ -166,7 +166,8 @@ class Ledger:
         distinct = set(released)
         if len(distinct) == len(released):
             # Each key once: it needs one reference, held already or retained in this call.
-            unheld = distinct - self._refs.keys()
+            # (Not ``distinct - refs.keys()``: that copies every held key into a set first.)
+            unheld = set(filterfalse(self._refs.__contains__, distinct))
             if not unheld or unheld <= set(retained):
                 return True
         added = Counter(retained)
