@@ -382,6 +382,11 @@ class GatherPackLaunch:
                 **self._tiles,
             )
 
+    @property
+    def step_info(self) -> torch.Tensor:
+        """The ``[>= R, 3]`` int32 tensor each launch writes ``(start, accepted, status)`` to."""
+        return self._args["step_info"]
+
     def __call__(
         self,
         query_start_loc: torch.Tensor,

@@ -16,25 +16,25 @@ import sys
 def main(model: str, prompt: list[int], max_tokens: int, speculative_config: str) -> None:
     from vllm import LLM, SamplingParams
 
-    import r3capture.aux_output.worker as worker_module
+    from r3capture.kernels import GatherPackLaunch
 
     launches = []
-    gather_pack = worker_module.gather_pack
+    launch = GatherPackLaunch.__call__
 
-    def recording_gather_pack(capture, query_start_loc, *args, **kwargs):
-        step_info = args[4]
-        num_rejected = args[5] if len(args) > 5 else kwargs.get("num_rejected")
-        gather_pack(capture, query_start_loc, *args, **kwargs)
+    def recording_launch(self, query_start_loc, positions, num_rejected=None, **counts):
+        launch(self, query_start_loc, positions, num_rejected, **counts)
+        num_reqs = counts["num_reqs"]
+        step_info = self.step_info[:num_reqs]
         launches.append(
             {
-                "rows": int(query_start_loc[-1]),
-                "num_rejected": None if num_rejected is None else num_rejected.tolist(),
+                "rows": int(query_start_loc[num_reqs]),
+                "num_rejected": None if num_rejected is None else num_rejected[:num_reqs].tolist(),
                 "written": step_info[:, 1].tolist(),
                 "status": step_info[:, 2].tolist(),
             }
         )
 
-    worker_module.gather_pack = recording_gather_pack
+    GatherPackLaunch.__call__ = recording_launch
     llm = LLM(
         model=model,
         dtype="float32",
