@@ -23,7 +23,7 @@ from r3capture.aux_output.output_pool import OutputPool
 from r3capture.aux_output.publisher import NO_KEYS, Publisher
 from r3capture.aux_output.request_table import RequestTable
 from r3capture.aux_output.row_reader import RowReader
-from r3capture.aux_output.sizing import WorkerSizing
+from r3capture.aux_output.sizing import WorkerSizing, require_int
 from r3capture.aux_output.step_commit import StepLayout, commit_step
 from r3capture.aux_output.types import (
     AuxOutputConnectorMetadata,
@@ -80,6 +80,7 @@ class RequestBook:
         )
         if output_pool_bytes is None:
             output_pool_bytes = envs.output_pool_bytes()
+        output_pool_bytes = require_int("output_pool_bytes", output_pool_bytes, minimum=0)
         self._publisher = Publisher(self.store, self.table, B)
         self._reader = RowReader(
             self.store,
@@ -113,8 +114,9 @@ class RequestBook:
         )
 
     # ------------------------------------------------------------------ begin_step
-    def begin(self, metadata: AuxOutputConnectorMetadata) -> None:
-        """Apply a step's metadata; its store call (every retain, release and bind) is queued."""
+    def begin(self, metadata: AuxOutputConnectorMetadata, emit_starts: np.ndarray) -> None:
+        """Apply a step's metadata (checked, with its emit starts as int64 ``[R]``); its store
+        call (every retain, release and bind) is queued."""
         table = self.table
         # Pins named by the scheduler belong to the namespace it had before any bump.
         retains = [key_rows_of(metadata.retained_block_hashes, self.generation)]
@@ -126,7 +128,6 @@ class RequestBook:
             self.generation = metadata.generation
         if metadata.requests:
             rows = self._rows_adding(metadata.requests)
-            emit_starts = np.fromiter(metadata.requests.values(), np.int64, len(rows))
             ahead = emit_starts > table.emit[rows]
             if np.count_nonzero(ahead):
                 # Only settled requests count: in-flight steps lag the scheduler's view.
@@ -184,6 +185,16 @@ class RequestBook:
         # Views: Model Runner V2 makes these arrays anew for every step.
         qsl = np.asarray(input_batch.query_start_loc_np)[: num_reqs + 1]
         starts = np.asarray(input_batch.num_computed_tokens_np)[:num_reqs]
+        if num_reqs and (len(qsl) != num_reqs + 1 or qsl.dtype.kind not in "iu"):
+            raise ValueError(
+                f"input_batch.query_start_loc_np must be integers with >= {num_reqs + 1} "
+                f"entries for its {num_reqs} requests; got {qsl.dtype} [{len(qsl)}]"
+            )
+        if len(starts) != num_reqs:
+            raise ValueError(
+                f"input_batch.num_computed_tokens_np must have >= {num_reqs} entries; got "
+                f"{len(starts)}"
+            )
         num_rows = int(qsl[-1]) if num_reqs else 0
         if num_rows > self.sizing.max_num_batched_tokens:
             raise ValueError(

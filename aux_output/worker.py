@@ -30,6 +30,7 @@ import numpy as np
 import torch
 
 from r3capture.aux_output import envs
+from r3capture.aux_output.call_checks import check_host_counts, checked_emit_starts
 from r3capture.aux_output.device_side import (
     TORCH_DTYPES,
     DeviceSide,
@@ -60,6 +61,9 @@ class PendingStep:
 
         Call on the output copy stream; the arrays become valid once its event completes.
         """
+        num_reqs = len(self.layout.rows)
+        check_host_counts("num_sampled", num_sampled, num_reqs)
+        check_host_counts("num_rejected", num_rejected, num_reqs)
         self.num_sampled = num_sampled
         self.num_rejected = num_rejected
         self._worker.device_side.copy_back(self.launched)
@@ -112,7 +116,9 @@ class TritonAuxOutputWorker:
             self._book = RequestBook(
                 sizing,
                 device=self.device,
-                destination=pick_destination(destination or envs.destination(), self.device),
+                destination=pick_destination(
+                    envs.destination() if destination is None else destination, self.device
+                ),
                 output_pool_bytes=output_pool_bytes,
                 on_store_grow=self._wait_for_device_writes,
             )
@@ -142,9 +148,13 @@ class TritonAuxOutputWorker:
     # ------------------------------------------------------------------ protocol
     def begin_step(self, metadata: AuxOutputConnectorMetadata | None) -> None:
         """Apply one scheduler step's hash updates, pins and terminal events."""
-        self._step_metadata = metadata
         if self._book is None or metadata is None:
+            self._step_metadata = metadata
             return
+        emit_starts = checked_emit_starts(
+            metadata, self._book.table.index.__contains__, self._book.generation
+        )
+        self._step_metadata = metadata
         if metadata.finished_requests:
             require(
                 not metadata.requests.keys() & set(metadata.finished_requests),
@@ -160,7 +170,7 @@ class TritonAuxOutputWorker:
                 require(
                     not self._pending, "auxiliary output generation changed with output in flight"
                 )
-            self._book.begin(metadata)
+            self._book.begin(metadata, emit_starts)
 
     def prepare_output(
         self, input_batch: Any, num_rejected: torch.Tensor | None = None

@@ -451,7 +451,12 @@ def objects_as_arrays(
     keys: list[str] = []
     payloads: list[memoryview] = []
     for i, (key, payload) in enumerate(objects):
-        view = memoryview(payload)
+        try:
+            view = memoryview(payload)
+        except TypeError:
+            raise TypeError(
+                f"objects[{i}] ({key!r}): payload must be bytes-like, got {type(payload).__name__}"
+            ) from None
         if view.nbytes != object_nbytes:
             raise ValueError(
                 f"objects[{i}] ({key!r}): payload has {view.nbytes} bytes, "

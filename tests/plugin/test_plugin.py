@@ -10,6 +10,8 @@ import types
 from pathlib import Path
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from r3capture.aux_output import compat, plugin
 
@@ -236,3 +238,61 @@ def test_backfill_gives_032_metadata_the_033_fields(monkeypatch):
         metadata = cls(generation=1) if cls is Metadata032 else cls(1, b"r", b"x")
         expected = (None, None) if cls is Metadata032 else (b"r", b"x")
         assert (metadata.retained_block_hashes, metadata.released_block_hashes) == expected
+
+
+@settings(max_examples=80, deadline=None)
+@given(
+    backend=st.one_of(
+        st.text(max_size=12).filter(lambda s: s not in plugin.BACKENDS),
+        st.sampled_from(["TRITON", "Torch", " triton", "cuda", ""]),
+        st.integers(),
+        st.booleans(),
+    )
+)
+def test_any_other_backend_value_is_refused_naming_key_and_choices(backend):
+    compat_version = compat.vllm_version
+    compat.vllm_version = lambda: "0.33.0"
+    try:
+        config = _config(backend)
+        before = dict(config.additional_config)
+        with pytest.raises(ValueError) as info:
+            plugin.check_backend(config)
+        message = str(info.value)
+        assert "aux_output_backend=" in message and "('torch', 'triton')" in message
+        assert config.additional_config == before
+    finally:
+        compat.vllm_version = compat_version
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    additional=st.one_of(st.text(max_size=8), st.lists(st.integers(), max_size=2), st.integers()),
+    backend=st.sampled_from(plugin.BACKENDS),
+)
+def test_flag_refuses_an_additional_config_that_is_not_a_dict(additional, backend):
+    with pytest.raises(ValueError, match="needs additional_config to be a dict"):
+        plugin._with_backend(additional, backend)
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    config=st.dictionaries(st.text(max_size=6), st.integers(), max_size=3),
+    flag=st.sampled_from(plugin.BACKENDS),
+    preset=st.sampled_from([None, *plugin.BACKENDS]),
+)
+def test_flag_merge_never_edits_the_callers_config(config, flag, preset):
+    """The flag either agrees with an explicit additional_config, or is refused as a conflict;
+    the caller's dict is never modified, and the default adds no key."""
+    if preset is not None:
+        config[plugin.BACKEND_KEY] = preset
+    before = dict(config)
+    if preset not in (None, flag):
+        with pytest.raises(ValueError, match="conflicts"):
+            plugin._with_backend(config, flag)
+    else:
+        merged = plugin._with_backend(config, flag)
+        if flag == plugin.DEFAULT_BACKEND:
+            assert merged is config
+        else:
+            assert merged == {**before, plugin.BACKEND_KEY: flag}
+    assert config == before

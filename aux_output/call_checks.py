@@ -1,0 +1,119 @@
+"""Argument checks for the worker's protocol calls, run before any state changes.
+
+vLLM's scheduler and model runner are the only intended callers, so every check here is
+either one vectorized operation or a loop over the few entries the step actually names
+(new block hashes, finished requests). What they refuse is malformed input, named by the
+argument: the wrong type, a negative cursor, a request the worker has never heard of, a
+count array of the wrong shape. Protocol violations with well-formed input (a cursor that
+moved ahead, a capture gap) stay vLLM's ``AssertionError``s, raised where vLLM raises them.
+"""
+
+from __future__ import annotations
+
+import numbers
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import numpy as np
+
+_METADATA_FIELDS = ("generation", "requests", "block_hashes", "finished_requests")
+
+
+def checked_emit_starts(
+    metadata: Any, is_known: Callable[[str], bool], generation_now: int
+) -> np.ndarray:
+    """Check one step's metadata; return its emit starts (int64 ``[len(requests)]``).
+
+    ``is_known(request_id)``: whether the worker tracks the request in ``generation_now``.
+    Block hashes and finish events may name only known or newly scheduled requests. vLLM
+    raises a bare ``KeyError`` there after part of the step is applied; here it is a
+    ``KeyError`` naming the field, raised before anything changes. vLLM's own assertions
+    come first, as in vLLM: a request both scheduled and finished, or a generation that
+    moved backwards, is left for the caller to refuse.
+    """
+    missing = [name for name in _METADATA_FIELDS if not hasattr(metadata, name)]
+    if missing:
+        raise TypeError(
+            f"metadata must be an AuxOutputConnectorMetadata, got {type(metadata).__name__} "
+            f"without {', '.join(missing)}"
+        )
+    generation = metadata.generation
+    if isinstance(generation, bool) or not isinstance(generation, numbers.Integral):
+        raise TypeError(f"metadata.generation must be an int, got {generation!r}")
+    if generation < 0:
+        raise ValueError(f"metadata.generation must be >= 0, got {generation}")
+    if generation > generation_now:
+        is_known = _nothing  # the bump clears every request first
+    check_ids = generation >= generation_now
+    requests = metadata.requests
+    if not isinstance(requests, Mapping):
+        raise TypeError(f"metadata.requests must be a dict, got {type(requests).__name__}")
+    emit_starts = np.array(list(requests.values()))
+    if len(requests):
+        if emit_starts.dtype.kind not in "iu":
+            raise TypeError(
+                f"metadata.requests must map request ids to int emit starts, got values of "
+                f"dtype {emit_starts.dtype}"
+            )
+        if emit_starts.min() < 0:
+            raise ValueError(
+                f"metadata.requests has a negative emit start: "
+                f"{ {k: v for k, v in requests.items() if v < 0} }"
+            )
+    block_hashes = metadata.block_hashes
+    if not isinstance(block_hashes, Mapping):
+        raise TypeError(f"metadata.block_hashes must be a dict, got {type(block_hashes).__name__}")
+    for request_id, packed in block_hashes.items():
+        if check_ids and request_id not in requests and not is_known(request_id):
+            raise KeyError(f"metadata.block_hashes names unknown request {request_id!r}")
+        _check_packed(f"metadata.block_hashes[{request_id!r}]", packed)
+    finished = metadata.finished_requests
+    if isinstance(finished, (str, bytes)) or not hasattr(finished, "__iter__"):
+        raise TypeError(
+            f"metadata.finished_requests must be a tuple of request ids, got {finished!r}"
+        )
+    for request_id in finished if check_ids else ():
+        if request_id not in requests and not is_known(request_id):
+            raise KeyError(f"metadata.finished_requests names unknown request {request_id!r}")
+    for name in ("retained_block_hashes", "released_block_hashes"):
+        packed = getattr(metadata, name, None)
+        if packed is not None:
+            _check_packed(f"metadata.{name}", packed)
+    return emit_starts.astype(np.int64, copy=False)
+
+
+def _nothing(request_id: str) -> bool:
+    return False
+
+
+def _check_packed(name: str, packed: Any) -> None:
+    """``packed``: vLLM's ``PackedBlockHashes`` (``data`` bytes, ``item_size`` per hash)."""
+    data = getattr(packed, "data", None)
+    item_size = getattr(packed, "item_size", None)
+    if not isinstance(data, (bytes, bytearray, memoryview)):
+        raise TypeError(f"{name} must be PackedBlockHashes with bytes data, got {packed!r}")
+    if isinstance(item_size, bool) or not isinstance(item_size, numbers.Integral):
+        raise TypeError(f"{name}.item_size must be an int, got {item_size!r}")
+    if item_size <= 0 or len(data) % item_size:
+        raise ValueError(
+            f"{name} must hold whole hashes: {len(data)} bytes of {item_size}-byte hashes"
+        )
+
+
+def check_host_counts(name: str, counts: Any, num_reqs: int) -> None:
+    """``counts``: a 1-D integer numpy array with ``>= num_reqs`` entries (``num_sampled``,
+    ``num_rejected``). Only the shape and dtype are checked: the values arrive later, when
+    the copy stream's event completes, and the commit checks them as vLLM does."""
+    if (
+        type(counts) is not np.ndarray
+        or counts.ndim != 1
+        or counts.dtype.kind not in "iu"
+        or counts.shape[0] < num_reqs
+    ):
+        got = type(counts).__name__
+        if isinstance(counts, np.ndarray):
+            got += f" {counts.dtype} of shape {counts.shape}"
+        raise ValueError(
+            f"{name} must be a 1-D integer numpy array with >= {num_reqs} entries "
+            f"(one per request of the step), got {got}"
+        )

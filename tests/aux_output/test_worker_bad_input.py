@@ -1,0 +1,285 @@
+"""Malformed arguments to the worker's constructor and protocol calls: a named error, and a
+worker that behaves afterwards exactly like a twin that never saw the call.
+
+Protocol violations with well-formed input (vLLM's own assertions) are in
+test_differential.py; this file is about input the worker cannot honour at all.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from test_worker import ROW_BYTES, B, K, L, hashes, make_worker, meta, routes, run_step
+
+from r3capture.aux_output.sizing import WorkerSizing
+from r3capture.aux_output.types import PackedBlockHashes
+
+SETTINGS = settings(
+    max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+
+# --------------------------------------------------------------------- constructor
+
+NOT_AN_INT = st.sampled_from([2.5, 3.0, True, False, None, "4", b"4", [4], np.float32(4)])
+SIZING = dict(
+    shape_per_token=(L, K),
+    dtype="uint8",
+    hash_block_size=B,
+    max_num_seqs=4,
+    max_num_batched_tokens=32,
+    max_concurrent_batches=2,
+    max_bytes=B * ROW_BYTES * 64,
+)
+INT_FIELDS = [f for f in SIZING if f not in ("shape_per_token", "dtype")]
+
+
+@SETTINGS
+@given(field=st.sampled_from(INT_FIELDS), bad=st.one_of(NOT_AN_INT, st.integers(-5, 0)))
+def test_sizing_refuses_anything_but_a_positive_int_naming_the_field(field, bad):
+    with pytest.raises((TypeError, ValueError), match=f"^{field} must"):
+        WorkerSizing(**dict(SIZING, **{field: bad}))
+
+
+@SETTINGS
+@given(index=st.sampled_from([0, 1]), bad=st.one_of(NOT_AN_INT, st.integers(-5, 0)))
+def test_sizing_refuses_a_bad_row_shape_naming_the_dimension(index, bad):
+    shape = [L, K]
+    shape[index] = bad
+    with pytest.raises((TypeError, ValueError), match=rf"^shape_per_token\[{index}\]"):
+        WorkerSizing(**dict(SIZING, shape_per_token=tuple(shape)))
+
+
+def _bad_capture_buffers():
+    good = torch.zeros(32, L, K, dtype=torch.int32)
+    return st.sampled_from(
+        [
+            good.float(),
+            good.long(),
+            good[:31],
+            good[:, :, :1],
+            good[:, 0],
+            good.transpose(1, 2).contiguous().transpose(1, 2),
+            good.to("meta"),
+            good.numpy(),
+            [[0]],
+        ]
+    )
+
+
+@SETTINGS
+@given(
+    overrides=st.one_of(
+        st.fixed_dictionaries({"capture_buffer": _bad_capture_buffers()}),
+        st.fixed_dictionaries({"kernel_impl": st.sampled_from(["cuda", "", "TRITON", 1])}),
+        st.fixed_dictionaries({"destination": st.sampled_from(["host", "", "DIRECT", 0])}),
+        st.fixed_dictionaries({"output_pool_bytes": st.sampled_from([-1, 2.5, "8", True])}),
+    )
+)
+def test_worker_constructor_names_what_it_refuses(overrides):
+    (name,) = overrides
+    with pytest.raises((TypeError, ValueError), match=name):
+        make_worker(**overrides)
+
+
+def test_worker_constructor_refuses_a_non_sizing():
+    with pytest.raises(TypeError, match="sizing must be a WorkerSizing, got dict"):
+        TritonAuxOutputWorkerClass()(SIZING)
+
+
+def TritonAuxOutputWorkerClass():
+    from r3capture.aux_output.worker import TritonAuxOutputWorker
+
+    return TritonAuxOutputWorker
+
+
+# --------------------------------------------------------------------- protocol calls
+
+
+def _as_namespace(metadata) -> SimpleNamespace:
+    return SimpleNamespace(
+        **{f.name: getattr(metadata, f.name) for f in dataclasses.fields(metadata)}
+    )
+
+
+def _first_step(worker):
+    """a: a prefill of 6 rows with one keyed block; b: 3 rows, no block yet."""
+    return run_step(
+        worker,
+        meta({"a": 0, "b": 0}, {"a": hashes(1, range(1))}),
+        [("a", 1, 0, 6), ("b", 2, 0, 3)],
+    )
+
+
+def _second_step(worker):
+    """a decodes past its second block's end (keyed now); b finishes; c is a prefix hit."""
+    out = run_step(
+        worker,
+        meta({"a": 6, "c": 0}, {"a": hashes(1, range(1, 2)), "c": hashes(1, range(1))}),
+        [("a", 1, 6, 2), ("c", 1, 4, 2)],
+    )
+    worker.begin_step(meta({}, finished=["a", "c"]))
+    return out
+
+
+def _same_outputs(left: dict, right: dict) -> bool:
+    return left.keys() == right.keys() and all(
+        left[r].token_start == right[r].token_start
+        and left[r].rows.dtype == right[r].rows.dtype
+        and left[r].rows.tobytes() == right[r].rows.tobytes()
+        for r in left
+    )
+
+
+PACKED_OK = PackedBlockHashes(bytes(8), 8)
+METADATA_CORRUPTIONS = {
+    "generation": [1.5, True, "0", None, -1],
+    "requests": [None, [("b", 3)], {"b": 1.5}, {"b": "3"}, {"b": -1}, {"b": None}],
+    "block_hashes": [
+        None,
+        {"zz": PACKED_OK},
+        {"b": b"raw bytes"},
+        {"b": PackedBlockHashes(b"123", 2)},
+        {"b": PackedBlockHashes(b"", 0)},
+        {"b": PackedBlockHashes(b"xx", 2.0)},
+        {"b": SimpleNamespace(data="not bytes", item_size=1)},
+    ],
+    "finished_requests": ["b", None, 7, ("zz",), ("b", "zz")],
+    "retained_block_hashes": [b"xx", PackedBlockHashes(b"abc", 2)],
+    "released_block_hashes": [PackedBlockHashes(b"abc", 0)],
+}
+
+
+@SETTINGS
+@given(
+    field_and_value=st.sampled_from(
+        [(f, v) for f, values in METADATA_CORRUPTIONS.items() for v in values]
+    )
+)
+def test_malformed_metadata_is_named_and_changes_nothing(field_and_value):
+    field, value = field_and_value
+    worker, twin = make_worker(), make_worker()
+    assert _same_outputs(_first_step(worker), _first_step(twin))
+    bad = _as_namespace(meta({"b": 3}))
+    setattr(bad, field, value)
+    with pytest.raises((TypeError, ValueError, KeyError)) as info:
+        worker.begin_step(bad)
+    assert f"metadata.{field}" in str(info.value.args[0])
+    assert _same_outputs(_second_step(worker), _second_step(twin))
+    assert len(worker.store) == len(twin.store) and worker.store.eviction_order() == (
+        twin.store.eviction_order()
+    )
+
+
+@pytest.mark.parametrize("bad", [None, {"requests": {}}, "metadata", 3], ids=repr)
+def test_metadata_of_the_wrong_type_is_named(bad):
+    worker = make_worker()
+    if bad is None:  # vLLM's warmup steps: no metadata is valid
+        worker.begin_step(bad)
+        return
+    with pytest.raises(TypeError, match="metadata must be an AuxOutputConnectorMetadata"):
+        worker.begin_step(bad)
+
+
+def _batch_fields():
+    return dict(
+        req_ids=["b"],
+        query_start_loc_np=np.array([0, 1], np.int32),
+        num_computed_tokens_np=np.array([3], np.int32),
+        positions=torch.tensor([3]),
+        query_start_loc=torch.tensor([0, 1], dtype=torch.int32),
+    )
+
+
+BATCH_CORRUPTIONS = {
+    "query_start_loc_np": [np.array([0]), np.array([0.0, 1.0]), np.array([], np.int32)],
+    "num_computed_tokens_np": [np.array([], np.int32)],
+    "positions": [None, torch.zeros(1), torch.zeros(1, 1, dtype=torch.int64), np.array([3])],
+    "query_start_loc": [None, torch.tensor([0.0, 1.0]), torch.tensor([0]), np.array([0, 1])],
+    "req_ids": [["b", "b"], ["b"] * 5],
+}
+
+
+@SETTINGS
+@given(
+    field_and_value=st.sampled_from(
+        [(f, v) for f, values in BATCH_CORRUPTIONS.items() for v in values]
+    )
+)
+def test_malformed_input_batch_is_named_and_changes_nothing(field_and_value):
+    field, value = field_and_value
+    worker, twin = make_worker(), make_worker()
+    _first_step(worker), _first_step(twin)
+    worker.begin_step(meta({"b": 3}))
+    fields = dict(_batch_fields(), **{field: value})
+    if field == "req_ids" and len(value) > 1:
+        fields["query_start_loc_np"] = np.arange(len(value) + 1, dtype=np.int32)
+        fields["num_computed_tokens_np"] = np.full(len(value), 3, np.int32)
+    with pytest.raises(ValueError) as info:
+        worker.prepare_output(SimpleNamespace(**fields))
+    message = str(info.value)
+    assert f"input_batch.{field}" in message or "input_batch has" in message, message
+    # The refused batch left nothing in flight: b's step runs as on the twin.
+    outputs = []
+    for w in (worker, twin):
+        if w is twin:
+            w.begin_step(meta({"b": 3}))
+        w.capture_buffer[:1] = torch.from_numpy(routes(2, 3, 1))
+        pending = w.prepare_output(SimpleNamespace(**_batch_fields()))
+        pending.enqueue_cpu_copy(np.ones(1, np.int32), np.zeros(1, np.int32))
+        outputs.append(pending.process_output())
+    assert _same_outputs(*outputs)
+    assert _same_outputs(_second_step(worker), _second_step(twin))
+
+
+COUNT_CORRUPTIONS = [
+    None,
+    [1],
+    np.ones(0, np.int32),
+    np.ones(1, np.float32),
+    np.ones((1, 1), np.int32),
+    torch.ones(1, dtype=torch.int32),
+]
+
+
+@SETTINGS
+@given(
+    which=st.sampled_from(["num_sampled", "num_rejected"]),
+    value=st.sampled_from(COUNT_CORRUPTIONS),
+)
+def test_malformed_host_counts_are_named_and_the_step_stays_usable(which, value):
+    worker, twin = make_worker(), make_worker()
+    _first_step(worker), _first_step(twin)
+    outputs = []
+    for w in (worker, twin):
+        w.begin_step(meta({"b": 3}))
+        w.capture_buffer[:1] = torch.from_numpy(routes(2, 3, 1))
+        pending = w.prepare_output(SimpleNamespace(**_batch_fields()))
+        if w is worker:
+            counts = dict(num_sampled=np.ones(1, np.int32), num_rejected=np.zeros(1, np.int32))
+            counts[which] = value
+            with pytest.raises(ValueError, match=f"^{which} must be a 1-D integer numpy array"):
+                pending.enqueue_cpu_copy(**counts)
+        pending.enqueue_cpu_copy(np.ones(1, np.int32), np.zeros(1, np.int32))
+        outputs.append(pending.process_output())
+    assert _same_outputs(*outputs)
+    assert _same_outputs(_second_step(worker), _second_step(twin))
+
+
+def test_step_outputs_of_the_scenario_are_what_the_twins_compare():
+    """The scenario the properties replay is not vacuous: it emits, publishes and hits."""
+    worker = make_worker()
+    first = _first_step(worker)
+    assert np.array_equal(first["a"].rows, routes(1, 0, 6).astype(np.uint8))
+    assert np.array_equal(first["b"].rows, routes(2, 0, 3).astype(np.uint8))
+    second = _second_step(worker)
+    assert np.array_equal(second["a"].rows, routes(1, 6, 2).astype(np.uint8))
+    # c hit a's first block: rows 0..3 come from the store, 4..5 from its own step.
+    assert second["c"].token_start == 0
+    assert np.array_equal(second["c"].rows, routes(1, 0, 6).astype(np.uint8))
+    assert len(worker.store) == 2
