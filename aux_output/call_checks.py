@@ -31,21 +31,26 @@ def checked_emit_starts(
     come first, as in vLLM: a request both scheduled and finished, or a generation that
     moved backwards, is left for the caller to refuse.
     """
-    missing = [name for name in _METADATA_FIELDS if not hasattr(metadata, name)]
-    if missing:
+    try:
+        generation = metadata.generation
+        requests = metadata.requests
+        block_hashes = metadata.block_hashes
+        finished = metadata.finished_requests
+    except AttributeError:
+        missing = [name for name in _METADATA_FIELDS if not hasattr(metadata, name)]
         raise TypeError(
             f"metadata must be an AuxOutputConnectorMetadata, got {type(metadata).__name__} "
             f"without {', '.join(missing)}"
-        )
-    generation = metadata.generation
-    if isinstance(generation, bool) or not isinstance(generation, numbers.Integral):
+        ) from None
+    if type(generation) is not int and (
+        isinstance(generation, bool) or not isinstance(generation, numbers.Integral)
+    ):
         raise TypeError(f"metadata.generation must be an int, got {generation!r}")
     if generation < 0:
         raise ValueError(f"metadata.generation must be >= 0, got {generation}")
     if generation > generation_now:
         is_known = _nothing  # the bump clears every request first
     check_ids = generation >= generation_now
-    requests = metadata.requests
     if not isinstance(requests, Mapping):
         raise TypeError(f"metadata.requests must be a dict, got {type(requests).__name__}")
     emit_starts = np.array(list(requests.values()))
@@ -60,14 +65,13 @@ def checked_emit_starts(
                 f"metadata.requests has a negative emit start: "
                 f"{ {k: v for k, v in requests.items() if v < 0} }"
             )
-    block_hashes = metadata.block_hashes
     if not isinstance(block_hashes, Mapping):
         raise TypeError(f"metadata.block_hashes must be a dict, got {type(block_hashes).__name__}")
     for request_id, packed in block_hashes.items():
         if check_ids and request_id not in requests and not is_known(request_id):
             raise KeyError(f"metadata.block_hashes names unknown request {request_id!r}")
-        _check_packed(f"metadata.block_hashes[{request_id!r}]", packed)
-    finished = metadata.finished_requests
+        if not _is_packed(packed):
+            _refuse_packed(f"metadata.block_hashes[{request_id!r}]", packed)
     if isinstance(finished, (str, bytes)) or not hasattr(finished, "__iter__"):
         raise TypeError(
             f"metadata.finished_requests must be a tuple of request ids, got {finished!r}"
@@ -77,8 +81,8 @@ def checked_emit_starts(
             raise KeyError(f"metadata.finished_requests names unknown request {request_id!r}")
     for name in ("retained_block_hashes", "released_block_hashes"):
         packed = getattr(metadata, name, None)
-        if packed is not None:
-            _check_packed(f"metadata.{name}", packed)
+        if packed is not None and not _is_packed(packed):
+            _refuse_packed(f"metadata.{name}", packed)
     return emit_starts.astype(np.int64, copy=False)
 
 
@@ -86,8 +90,20 @@ def _nothing(request_id: str) -> bool:
     return False
 
 
-def _check_packed(name: str, packed: Any) -> None:
-    """``packed``: vLLM's ``PackedBlockHashes`` (``data`` bytes, ``item_size`` per hash)."""
+def _is_packed(packed: Any) -> bool:
+    """Whether ``packed`` is whole packed hashes: ``data`` bytes, ``item_size`` per hash."""
+    data = getattr(packed, "data", None)
+    item_size = getattr(packed, "item_size", None)
+    return (
+        type(data) is bytes
+        and type(item_size) is int
+        and item_size > 0
+        and not len(data) % item_size
+    )
+
+
+def _refuse_packed(name: str, packed: Any) -> None:
+    """Raise the error that names what is wrong with ``packed`` (not ``_is_packed``)."""
     data = getattr(packed, "data", None)
     item_size = getattr(packed, "item_size", None)
     if not isinstance(data, (bytes, bytearray, memoryview)):

@@ -33,6 +33,7 @@ lower case, compile-time block sizes in UPPER case.
 
 from __future__ import annotations
 
+import importlib
 import os
 
 import torch
@@ -358,6 +359,10 @@ class GatherPackLaunch:
         self._use_triton = impl == "triton" or (
             impl == "auto" and (capture.is_cuda or _interpreting())
         )
+        if not self._use_triton:
+            # Imported here, not at the top: the kernel code never depends on its oracle. The
+            # module, not the function, is kept, so a stand-in patched onto it still applies.
+            self._reference = importlib.import_module("r3capture.kernels.reference")
         if self._use_triton:
             _check_triton_places(capture, dest, step_info)
             self._tiles = _tile_config(self._static.num_layers * self._static.top_k)
@@ -409,16 +414,13 @@ class GatherPackLaunch:
             num_rows=num_rows,
         )
         if not self._use_triton:
-            # Imported here, not at the top: the kernel code never depends on its oracle.
-            from r3capture.kernels.reference import gather_pack_reference_checked
-
             args = dict(
                 self._args,
                 query_start_loc=query_start_loc,
                 positions=positions,
                 num_rejected=num_rejected,
             )
-            gather_pack_reference_checked(args, shape)
+            self._reference.gather_pack_reference_checked(args, shape)
             return
         if shape.num_reqs == 0:
             return
