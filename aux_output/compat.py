@@ -84,6 +84,15 @@ CONNECTOR_FACTORY_NAME = "get_aux_output_connector"
 MODEL_RUNNER_CLASS = "GPUModelRunner"
 SAMPLE_METHOD = "sample"
 SAMPLE_NUM_REJECTED_INDEX = 2
+# ``GPUModelRunner.execute_model(scheduler_output, intermediate_tensors=None, dummy_run=False,
+# ...)`` runs the forward and returns the ``IntermediateTensors`` a non-last pipeline stage
+# sends on (``execute_model_state.input_batch.num_tokens``: the step's unpadded tokens).
+EXECUTE_MODEL_METHOD = "execute_model"
+# ``VllmConfig._verify_aux_output_compatibility`` (run by ``VllmConfig.__post_init__``)
+# refuses routed experts with PP > 1, among other configurations.
+CONFIG_MODULE = "vllm.config.vllm"
+CONFIG_CLASS = "VllmConfig"
+VERIFY_AUX_OUTPUT_METHOD = "_verify_aux_output_compatibility"
 
 
 # Fields of the scheduler -> worker metadata that 0.33.x added; 0.32.x's scheduler sends no

@@ -67,7 +67,7 @@ def build_worker(
     """r3capture's worker for this rank, bound to ``model``'s routers (see module docstring)."""
     compat.require_supported_vllm("--aux-output-backend triton")
     compat.backfill_connector_metadata()
-    from vllm.distributed.parallel_state import get_tp_group
+    from vllm.distributed.parallel_state import get_pp_group, get_tp_group
     from vllm.model_executor.layers.fused_moe.routed_experts_capturer import (
         RoutedExpertsCapturer,
         bind_routed_experts_capturer,
@@ -80,7 +80,11 @@ def build_worker(
         max_num_batched_tokens=vllm_config.scheduler_config.max_num_batched_tokens,
         vllm_config=vllm_config,
     )
-    bind_routed_experts_capturer(model, capturer)
+    pp = get_pp_group()
+    if pp.world_size == 1 or _has_moe_layers(model):
+        # A pipeline stage without MoE layers (e.g. DeepSeek's dense first layers alone)
+        # captures nothing and only relays; vLLM's bind would refuse it.
+        bind_routed_experts_capturer(model, capturer)
     scheduler_block_size, hash_block_size = resolve_kv_cache_block_sizes(
         kv_cache_config, vllm_config
     )
@@ -92,13 +96,16 @@ def build_worker(
         shape_per_token=capturer.shape_per_token,
         dtype=capturer.output_dtype_name,
     )
-    is_output_rank = get_tp_group().is_first_rank
+    # The model runner output (and every prepare_output) comes from the last pipeline stage.
+    is_output_rank = get_tp_group().is_first_rank and pp.is_last_rank
     worker = TritonAuxOutputWorker(
         sizing,
         device=capturer.device_buffer.device,
         capture_buffer=capturer.device_buffer,
         is_output_rank=is_output_rank,
     )
+    if pp.world_size > 1:
+        worker.pipeline_relay = _pipeline_relay(vllm_config, capturer, pp)
     logger.info(
         "r3capture: triton aux-output backend: rows %s %s, hash block %d tokens, store %d bytes "
         "(%d blocks), %s",
@@ -107,6 +114,41 @@ def build_worker(
         sizing.hash_block_size,
         sizing.max_bytes,
         sizing.max_bytes // sizing.block_nbytes,
-        "output rank" if is_output_rank else "capture only (not the first TP rank)",
+        "output rank" if is_output_rank else "capture only (not the output rank)",
     )
     return worker
+
+
+def _has_moe_layers(model: torch.nn.Module) -> bool:
+    """Whether ``model`` (this stage's part) has a layer vLLM's capturer binds to."""
+    from vllm.model_executor.layers.fused_moe.layer import MoERunner
+    from vllm.model_executor.layers.fused_moe.routed_experts_capturer import (
+        RoutedExpertsCaptureSource,
+    )
+
+    return any(
+        isinstance(module, (MoERunner, RoutedExpertsCaptureSource)) for module in model.modules()
+    )
+
+
+def _pipeline_relay(vllm_config: Any, capturer: Any, pp: Any):
+    """This stage's relay of routed-expert rows (``pipeline.py``)."""
+    from vllm.distributed.utils import get_pp_indices
+
+    from r3capture.aux_output.pipeline import PipelineRelay
+
+    num_layers = capturer.device_buffer.shape[1]
+    own_layers = get_pp_indices(num_layers, pp.rank_in_group, pp.world_size)
+    logger.info(
+        "r3capture: pipeline stage %d/%d runs layers [%d, %d) and relays routed experts",
+        pp.rank_in_group,
+        pp.world_size,
+        *own_layers,
+    )
+    return PipelineRelay(
+        capturer.device_buffer,
+        own_layers,
+        capturer.output_dtype,
+        is_first=pp.is_first_rank,
+        is_last=pp.is_last_rank,
+    )

@@ -47,7 +47,7 @@ from collections.abc import Callable
 from types import ModuleType
 from typing import Any
 
-from r3capture.aux_output import compat
+from r3capture.aux_output import compat, pipeline
 
 # A child of vLLM's logger: the plugin runs only inside vLLM, whose handlers and
 # VLLM_LOGGING_LEVEL then apply to its messages too.
@@ -80,6 +80,7 @@ def register() -> None:
             ",".join(compat.SUPPORTED_VLLM),
         )
         return
+    _run_after_import(compat.CONFIG_MODULE, _patch_vllm_config)
     _run_after_import(compat.MODEL_RUNNER_MODULE, _patch_model_runner)
 
 
@@ -205,17 +206,49 @@ def _add_backend_flag(parser) -> None:
     )
 
 
+# ---------------------------------------------------------------- pipeline parallelism
+def _patch_vllm_config(module: ModuleType) -> None:
+    """vLLM refuses routed experts with PP > 1; with ``triton`` its check runs with PP
+    hidden, so every other refusal stays (``pipeline.py`` carries the rows between stages)."""
+    config_cls = getattr(module, compat.CONFIG_CLASS, None)
+    original = getattr(config_cls, compat.VERIFY_AUX_OUTPUT_METHOD, None)
+    if original is None:
+        raise compat.UnsupportedVLLMError(
+            f"r3capture: {module.__name__} has no {compat.CONFIG_CLASS}."
+            f"{compat.VERIFY_AUX_OUTPUT_METHOD}; this vLLM build ({compat.vllm_version()}) is "
+            "not one r3capture supports"
+        )
+    if getattr(original, _WRAPPED, False):
+        return
+
+    def verify(self):
+        if pipeline.pipeline_size(self) > 1 and selected_backend(self) == "triton":
+            return pipeline.verify_without_pipeline(original, self)
+        return original(self)
+
+    _mark_wrapper(verify, original)
+    setattr(config_cls, compat.VERIFY_AUX_OUTPUT_METHOD, verify)
+
+
+def _mark_wrapper(wrapper: Callable, original: Callable) -> None:
+    wrapper.__wrapped__ = original
+    wrapper.__doc__ = original.__doc__
+    setattr(wrapper, _WRAPPED, True)
+
+
 # ---------------------------------------------------------------- model runner hooks
 def _patch_model_runner(module: ModuleType) -> None:
     runner_cls = getattr(module, compat.MODEL_RUNNER_CLASS, None)
     original_factory = getattr(module, compat.CONNECTOR_FACTORY_NAME, None)
     original_sample = getattr(runner_cls, compat.SAMPLE_METHOD, None)
-    if original_factory is None or original_sample is None:
+    original_execute = getattr(runner_cls, compat.EXECUTE_MODEL_METHOD, None)
+    if original_factory is None or original_sample is None or original_execute is None:
         # A vLLM that reports a supported version must have both; refuse rather than run
         # --aux-output-backend triton silently on vLLM's backend.
         raise compat.UnsupportedVLLMError(
-            f"r3capture: {module.__name__} has no {compat.CONNECTOR_FACTORY_NAME} or "
-            f"{compat.MODEL_RUNNER_CLASS}.{compat.SAMPLE_METHOD}; this vLLM build "
+            f"r3capture: {module.__name__} has no {compat.CONNECTOR_FACTORY_NAME}, "
+            f"{compat.MODEL_RUNNER_CLASS}.{compat.SAMPLE_METHOD} or "
+            f"{compat.MODEL_RUNNER_CLASS}.{compat.EXECUTE_MODEL_METHOD}; this vLLM build "
             f"({compat.vllm_version()}) is not one r3capture supports"
         )
     if getattr(original_factory, _WRAPPED, False):
@@ -237,15 +270,32 @@ def _patch_model_runner(module: ModuleType) -> None:
             hand_over(result[compat.SAMPLE_NUM_REJECTED_INDEX])
         return result
 
+    def execute_model(self, scheduler_output, intermediate_tensors=None, *args, **kwargs):
+        output = original_execute(self, scheduler_output, intermediate_tensors, *args, **kwargs)
+        # Only r3capture's worker under PP > 1 has a relay; 0-token steps and dummy runs
+        # leave no step state and move no tensors between stages.
+        relay = getattr(getattr(self, "aux_output_connector", None), "pipeline_relay", None)
+        state = getattr(self, "execute_model_state", None)
+        if relay is not None and state is not None and not _is_dummy_run(args, kwargs):
+            pipeline.relay_after_forward(
+                relay, intermediate_tensors, output, state.input_batch.num_tokens
+            )
+        return output
+
     for wrapper, original in (
         (get_aux_output_connector, original_factory),
         (sample, original_sample),
+        (execute_model, original_execute),
     ):
-        wrapper.__wrapped__ = original
-        wrapper.__doc__ = original.__doc__
-        setattr(wrapper, _WRAPPED, True)
+        _mark_wrapper(wrapper, original)
     setattr(module, compat.CONNECTOR_FACTORY_NAME, get_aux_output_connector)
     setattr(runner_cls, compat.SAMPLE_METHOD, sample)
+    setattr(runner_cls, compat.EXECUTE_MODEL_METHOD, execute_model)
+
+
+def _is_dummy_run(args: tuple, kwargs: dict) -> bool:
+    # execute_model(scheduler_output, intermediate_tensors=None, dummy_run=False, ...)
+    return bool(kwargs.get("dummy_run", args[0] if args else False))
 
 
 class _AfterImport(importlib.abc.MetaPathFinder):

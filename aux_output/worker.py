@@ -112,6 +112,8 @@ class TritonAuxOutputWorker:
         self._pending: list[PendingStep] = []
         self._book: RequestBook | None = None
         self.device_side: DeviceSide | None = None
+        # Set by the factory under pipeline parallelism (``pipeline.PipelineRelay``).
+        self.pipeline_relay = None
         if is_output_rank:
             self._book = RequestBook(
                 sizing,

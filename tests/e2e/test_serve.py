@@ -56,3 +56,16 @@ def test_server_counters_agree_with_returned_rows(torch_run, triton_run):
     assert checks.check_row_accounting(triton_run) == []
     assert checks.check_row_accounting(torch_run) == []
     assert host_rows(torch_run.metrics) == host_rows(triton_run.metrics)
+
+
+def test_pipeline_parallel_rows_equal_one_stage_and_hf(triton_pp2_run, triton_run, hf_router):
+    """PP = 2: layer 0 runs on stage 0, layer 1 on stage 1; stage 0's rows ride to stage 1
+    with the hidden states (aux_output/pipeline.py). Every request, including the prefix-cache
+    hit and routed_experts_prompt_start, returns the rows a one-stage server returns."""
+    assert checks.check_shapes(triton_pp2_run, SHAPE, np.uint8) == []
+    assert checks.check_same_as(triton_pp2_run, triton_run) == []
+    assert checks.check_router(triton_pp2_run, hf_router) == []
+    assert triton_pp2_run.results["turn2"].cached_tokens == 64
+    # Stage 0's layer is really relayed: it varies across tokens (zeros would not).
+    layer0 = np.concatenate([r.rows[:, 0] for r in triton_pp2_run.results.values()])
+    assert len(np.unique(layer0)) > 2

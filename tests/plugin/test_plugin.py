@@ -82,6 +82,10 @@ def _fake_runner_module():
         def sample(self, hidden_states, input_batch, grammar_output):
             return "sampler_output", "num_sampled", "num_rejected_device"
 
+        def execute_model(self, scheduler_output, intermediate_tensors=None, dummy_run=False):
+            calls.append(("execute_model", scheduler_output, dummy_run))
+            return "model_output"
+
     module = types.ModuleType("fake_model_runner")
     module.get_aux_output_connector = get_aux_output_connector
     module.GPUModelRunner = GPUModelRunner
