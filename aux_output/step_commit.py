@@ -123,8 +123,6 @@ def commit_step(
     return CommitPlan(capture_starts, token_ends, emit_starts, direct, materialize)
 
 
-
-
 def _raise_first_error(
     layout: StepLayout,
     checks: tuple[np.ndarray, ...],
