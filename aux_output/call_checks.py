@@ -15,8 +15,10 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 import numpy as np
+import torch
 
 _METADATA_FIELDS = ("generation", "requests", "block_hashes", "finished_requests")
+_INDEX_DTYPES = (torch.int32, torch.int64)
 
 
 def checked_emit_starts(
@@ -126,10 +128,33 @@ def check_host_counts(name: str, counts: Any, num_reqs: int) -> None:
         or counts.dtype.kind not in "iu"
         or counts.shape[0] < num_reqs
     ):
-        got = type(counts).__name__
-        if isinstance(counts, np.ndarray):
-            got += f" {counts.dtype} of shape {counts.shape}"
         raise ValueError(
             f"{name} must be a 1-D integer numpy array with >= {num_reqs} entries "
-            f"(one per request of the step), got {got}"
+            f"(one per request of the step), got {_describe(counts)}"
         )
+
+
+def checked_device_index(
+    input_batch: Any, name: str, length: int, device: torch.device
+) -> torch.Tensor:
+    """``input_batch.<name>``: a 1-D integer tensor on ``device`` with ``>= length`` entries."""
+    t = getattr(input_batch, name, None)
+    if type(t) is not torch.Tensor or t.dim() != 1 or t.dtype not in _INDEX_DTYPES:
+        raise ValueError(
+            f"input_batch.{name} must be the 1-D integer tensor on the device that Model "
+            f"Runner V2 provides; got {_describe(t)}"
+        )
+    if t.shape[0] < length or t.device != device:
+        raise ValueError(
+            f"input_batch.{name} must hold >= {length} entries on {device}; got "
+            f"{t.shape[0]} on {t.device}"
+        )
+    return t
+
+
+def _describe(value: Any) -> str:
+    """Type, and for an array or tensor its dtype and shape, for an error message."""
+    got = type(value).__name__
+    if isinstance(value, (np.ndarray, torch.Tensor)):
+        got += f" {value.dtype} of shape {tuple(value.shape)}"
+    return got

@@ -17,6 +17,7 @@ import numpy as np
 import torch
 
 from r3capture.aux_output import envs
+from r3capture.aux_output.call_checks import checked_device_index
 from r3capture.aux_output.device_side import DeviceSide, LaunchedStep
 from r3capture.aux_output.errors import require
 from r3capture.aux_output.output_pool import OutputPool
@@ -33,7 +34,6 @@ from r3capture.aux_output.types import (
 )
 from r3capture.store import BlockStore
 
-_INDEX_DTYPES = (torch.int32, torch.int64)
 # How far past its scheduled rows a request's slots reach when it takes new ones.
 LOOKAHEAD_TOKENS = 64
 
@@ -219,8 +219,10 @@ class RequestBook:
         (``[>= num_rows]``), both 1-D; ``(None, None)`` for a step without requests."""
         if not layout.request_ids:
             return None, None
-        qsl = _device_index(input_batch, "query_start_loc", len(layout.rows) + 1, self._device)
-        positions = _device_index(
+        qsl = checked_device_index(
+            input_batch, "query_start_loc", len(layout.rows) + 1, self._device
+        )
+        positions = checked_device_index(
             input_batch, "positions", int(layout.query_start_loc[-1]), self._device
         )
         return qsl, positions
@@ -344,25 +346,6 @@ class RequestBook:
 
     def close(self) -> None:
         self.store.close()
-
-
-def _device_index(input_batch: Any, name: str, length: int, device: torch.device) -> torch.Tensor:
-    """``input_batch.<name>``: a 1-D integer tensor on ``device`` with ``>= length`` entries."""
-    t = getattr(input_batch, name, None)
-    if type(t) is not torch.Tensor or t.dim() != 1 or t.dtype not in _INDEX_DTYPES:
-        got = type(t).__name__
-        if isinstance(t, torch.Tensor):
-            got += f" {t.dtype} of shape {tuple(t.shape)}"
-        raise ValueError(
-            f"input_batch.{name} must be the 1-D integer tensor on the device that Model "
-            f"Runner V2 provides; got {got}"
-        )
-    if t.shape[0] < length or t.device != device:
-        raise ValueError(
-            f"input_batch.{name} must hold >= {length} entries on {device}; got "
-            f"{t.shape[0]} on {t.device}"
-        )
-    return t
 
 
 def _joined(parts: list[np.ndarray]) -> np.ndarray:

@@ -27,21 +27,34 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from demo import checks  # noqa: E402
-from demo.scenario import ScenarioRun, host_rows, run_scenario, server_args  # noqa: E402
+from demo.scenario import (  # noqa: E402
+    ScenarioRun,
+    host_rows,
+    pipeline_env,
+    run_scenario,
+    server_args,
+)
 from demo.serve import ServerError, VLLMServer, cpu_emulation_env  # noqa: E402
 
 BACKENDS = ("torch", "triton")
 
 
-def serve_and_run(model, backend, *, tiny, env, workdir, vocab_size) -> ScenarioRun:
+def serve_and_run(
+    model, backend, *, tiny, env, workdir, vocab_size, pipeline_stages=1
+) -> ScenarioRun:
     # The torch run passes no --aux-output-backend at all: stock vLLM is the reference.
-    args = server_args(None if backend == "torch" else backend, tiny=tiny)
-    log = workdir / f"vllm-{backend}.log"
-    print(f"[{backend}] vllm serve {model} {' '.join(args)}")
-    print(f"[{backend}] log: {log}")
+    args = server_args(
+        None if backend == "torch" else backend, tiny=tiny, pipeline_stages=pipeline_stages
+    )
+    name = backend if pipeline_stages == 1 else f"{backend}-pp{pipeline_stages}"
+    if pipeline_stages > 1:
+        env = {**env, **pipeline_env(pipeline_stages)}
+    log = workdir / f"vllm-{name}.log"
+    print(f"[{name}] vllm serve {model} {' '.join(args)}")
+    print(f"[{name}] log: {log}")
     with VLLMServer(model, args, env=env, log_path=log) as server:
-        print(f"[{backend}] healthy after {server.startup_s:.1f} s")
-        run = run_scenario(server.base_url, model, vocab_size=vocab_size, backend=backend)
+        print(f"[{name}] healthy after {server.startup_s:.1f} s")
+        run = run_scenario(server.base_url, model, vocab_size=vocab_size, backend=name)
     run.startup_s = server.startup_s
     return run
 
@@ -84,6 +97,12 @@ def main() -> int:
             runs[backend] = serve_and_run(
                 model, backend, tiny=tiny, env=env, workdir=workdir, vocab_size=vocab_size
             )
+        if tiny:
+            # Two pipeline stages, one layer each: stage 0's rows must reach stage 1.
+            runs["triton-pp2"] = serve_and_run(
+                model, "triton", tiny=tiny, env=env, workdir=workdir, vocab_size=vocab_size,
+                pipeline_stages=2,
+            )  # fmt: skip
     except ServerError as error:
         print(f"FAIL: {error}")
         return 1
@@ -104,6 +123,13 @@ def main() -> int:
         results.append(("rows equal HF's router top-k", checks.check_router(triton_run, router)))
         results.append(
             ("(reference) vLLM's rows equal HF's", checks.check_router(torch_run, router))
+        )
+        pp_run = runs["triton-pp2"]
+        results.append(
+            (
+                "pipeline parallel (PP = 2) rows byte-identical to one stage and HF's",
+                checks.check_same_as(pp_run, triton_run) + checks.check_router(pp_run, router),
+            )
         )
 
     print_report(torch_run, triton_run, shape_per_token, dtype)

@@ -39,16 +39,19 @@ def hashes(seed: int, blocks: range) -> PackedBlockHashes:
     return PackedBlockHashes(b"".join(bytes([seed, b]) * 4 for b in blocks), 8)
 
 
+SIZES = dict(
+    shape_per_token=(L, K),
+    dtype="uint8",
+    hash_block_size=B,
+    max_num_seqs=4,
+    max_num_batched_tokens=32,
+    max_concurrent_batches=2,
+    max_bytes=B * ROW_BYTES * 64,
+)
+
+
 def make_worker(**overrides) -> TritonAuxOutputWorker:
-    sizes = dict(
-        shape_per_token=(L, K),
-        dtype="uint8",
-        hash_block_size=B,
-        max_num_seqs=4,
-        max_num_batched_tokens=32,
-        max_concurrent_batches=2,
-        max_bytes=B * ROW_BYTES * 64,
-    )
+    sizes = dict(SIZES)
     options = dict(kernel_impl="reference")
     for name, value in overrides.items():
         (sizes if name in sizes else options)[name] = value

@@ -15,7 +15,7 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from test_worker import ROW_BYTES, B, K, L, hashes, make_worker, meta, routes, run_step
+from test_worker import SIZES, K, L, hashes, make_worker, meta, routes, run_step
 
 from r3capture.aux_output.sizing import WorkerSizing
 from r3capture.aux_output.types import PackedBlockHashes
@@ -27,23 +27,14 @@ SETTINGS = settings(
 # --------------------------------------------------------------------- constructor
 
 NOT_AN_INT = st.sampled_from([2.5, 3.0, True, False, None, "4", b"4", [4], np.float32(4)])
-SIZING = dict(
-    shape_per_token=(L, K),
-    dtype="uint8",
-    hash_block_size=B,
-    max_num_seqs=4,
-    max_num_batched_tokens=32,
-    max_concurrent_batches=2,
-    max_bytes=B * ROW_BYTES * 64,
-)
-INT_FIELDS = [f for f in SIZING if f not in ("shape_per_token", "dtype")]
+INT_FIELDS = [f for f in SIZES if f not in ("shape_per_token", "dtype")]
 
 
 @SETTINGS
 @given(field=st.sampled_from(INT_FIELDS), bad=st.one_of(NOT_AN_INT, st.integers(-5, 0)))
 def test_sizing_refuses_anything_but_a_positive_int_naming_the_field(field, bad):
     with pytest.raises((TypeError, ValueError), match=f"^{field} must"):
-        WorkerSizing(**dict(SIZING, **{field: bad}))
+        WorkerSizing(**dict(SIZES, **{field: bad}))
 
 
 @SETTINGS
@@ -52,7 +43,7 @@ def test_sizing_refuses_a_bad_row_shape_naming_the_dimension(index, bad):
     shape = [L, K]
     shape[index] = bad
     with pytest.raises((TypeError, ValueError), match=rf"^shape_per_token\[{index}\]"):
-        WorkerSizing(**dict(SIZING, shape_per_token=tuple(shape)))
+        WorkerSizing(**dict(SIZES, shape_per_token=tuple(shape)))
 
 
 def _bad_capture_buffers():
@@ -89,7 +80,7 @@ def test_worker_constructor_names_what_it_refuses(overrides):
 
 def test_worker_constructor_refuses_a_non_sizing():
     with pytest.raises(TypeError, match="sizing must be a WorkerSizing, got dict"):
-        TritonAuxOutputWorkerClass()(SIZING)
+        TritonAuxOutputWorkerClass()(SIZES)
 
 
 def TritonAuxOutputWorkerClass():
@@ -155,12 +146,13 @@ METADATA_CORRUPTIONS = {
 }
 
 
+def one_of_each(corruptions: dict) -> st.SearchStrategy:
+    """(field, bad value) pairs of a table of corruptions per field."""
+    return st.sampled_from([(f, v) for f, values in corruptions.items() for v in values])
+
+
 @SETTINGS
-@given(
-    field_and_value=st.sampled_from(
-        [(f, v) for f, values in METADATA_CORRUPTIONS.items() for v in values]
-    )
-)
+@given(field_and_value=one_of_each(METADATA_CORRUPTIONS))
 def test_malformed_metadata_is_named_and_changes_nothing(field_and_value):
     field, value = field_and_value
     worker, twin = make_worker(), make_worker()
@@ -206,11 +198,7 @@ BATCH_CORRUPTIONS = {
 
 
 @SETTINGS
-@given(
-    field_and_value=st.sampled_from(
-        [(f, v) for f, values in BATCH_CORRUPTIONS.items() for v in values]
-    )
-)
+@given(field_and_value=one_of_each(BATCH_CORRUPTIONS))
 def test_malformed_input_batch_is_named_and_changes_nothing(field_and_value):
     field, value = field_and_value
     worker, twin = make_worker(), make_worker()

