@@ -26,12 +26,18 @@ What it installs:
   The last one is an error, not a warning: the flag only selects how routed experts are
   captured, so asking for a capture backend with capture off is a misconfiguration that a
   trainer would otherwise only notice as missing ``routed_experts``.
-* **The backend** (workers; only on a supported vLLM, both hooks or neither). When vLLM
+* **The backend** (workers; only on a supported vLLM, all three hooks or none). When vLLM
   imports its Model Runner V2 module, the module-level ``get_aux_output_connector`` is
   wrapped to build r3capture's worker (``factory.build_worker``) when ``triton`` is selected
-  and vLLM's own otherwise, and ``GPUModelRunner.sample`` is wrapped to hand the step's
+  and vLLM's own otherwise; ``GPUModelRunner.sample`` is wrapped to hand the step's
   device ``num_rejected`` to a worker that accepts it (``set_step_num_rejected``), so that
-  the kernel skips rejected speculative rows on the device.
+  the kernel skips rejected speculative rows on the device; and
+  ``GPUModelRunner.execute_model`` is wrapped to relay routed-expert rows between pipeline
+  stages after each forward (``pipeline.py``; only r3capture's worker under PP > 1 has a
+  relay).
+* **Pipeline parallelism** (every process, supported vLLM): ``VllmConfig``'s routed-experts
+  compatibility check runs with PP hidden when ``triton`` is selected, so vLLM's refusal of
+  PP > 1 is lifted for ``triton`` only and all its other refusals stay.
 
 With ``torch`` (the default) vLLM runs exactly its own code: no ``additional_config`` key is
 added and the wrappers call straight through. On a vLLM outside the supported range only the
