@@ -153,20 +153,21 @@ class TritonAuxOutputWorker:
         if self._book is None or metadata is None:
             self._step_metadata = metadata
             return
-        emit_starts = checked_emit_starts(
-            metadata, self._book.table.index.__contains__, self._book.generation
-        )
-        self._step_metadata = metadata
-        if metadata.finished_requests:
-            require(
-                not metadata.requests.keys() & set(metadata.finished_requests),
-                "auxiliary output request cannot run and finish in one step",
-            )
-        require(
-            metadata.generation >= self._book.generation,
-            "auxiliary output metadata generation moved backwards",
-        )
         with self._lock:
+            # Under the lock: the output thread's teardown edits the request table.
+            emit_starts = checked_emit_starts(
+                metadata, self._book.table.index.__contains__, self._book.generation
+            )
+            self._step_metadata = metadata
+            if metadata.finished_requests:
+                require(
+                    not metadata.requests.keys() & set(metadata.finished_requests),
+                    "auxiliary output request cannot run and finish in one step",
+                )
+            require(
+                metadata.generation >= self._book.generation,
+                "auxiliary output metadata generation moved backwards",
+            )
             if metadata.generation > self._book.generation:
                 # The scheduler resets the prefix cache only with no model output in flight.
                 require(
