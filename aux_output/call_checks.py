@@ -105,7 +105,8 @@ def _is_packed(packed: Any) -> bool:
 
 
 def _refuse_packed(name: str, packed: Any) -> None:
-    """Raise the error that names what is wrong with ``packed`` (not ``_is_packed``)."""
+    """Raise the error naming what is wrong with ``packed``, which ``_is_packed`` did not
+    accept; other bytes-like data and integral sizes are readable and pass."""
     data = getattr(packed, "data", None)
     item_size = getattr(packed, "item_size", None)
     if not isinstance(data, (bytes, bytearray, memoryview)):

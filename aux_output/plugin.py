@@ -249,7 +249,7 @@ def _patch_model_runner(module: ModuleType) -> None:
     original_sample = getattr(runner_cls, compat.SAMPLE_METHOD, None)
     original_execute = getattr(runner_cls, compat.EXECUTE_MODEL_METHOD, None)
     if original_factory is None or original_sample is None or original_execute is None:
-        # A vLLM that reports a supported version must have both; refuse rather than run
+        # A vLLM that reports a supported version has all three; refuse rather than run
         # --aux-output-backend triton silently on vLLM's backend.
         raise compat.UnsupportedVLLMError(
             f"r3capture: {module.__name__} has no {compat.CONNECTOR_FACTORY_NAME}, "

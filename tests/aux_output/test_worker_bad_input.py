@@ -19,6 +19,7 @@ from test_worker import SIZES, K, L, hashes, make_worker, meta, routes, run_step
 
 from r3capture.aux_output.sizing import WorkerSizing
 from r3capture.aux_output.types import PackedBlockHashes
+from r3capture.aux_output.worker import TritonAuxOutputWorker
 
 SETTINGS = settings(
     max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
@@ -80,13 +81,7 @@ def test_worker_constructor_names_what_it_refuses(overrides):
 
 def test_worker_constructor_refuses_a_non_sizing():
     with pytest.raises(TypeError, match="sizing must be a WorkerSizing, got dict"):
-        TritonAuxOutputWorkerClass()(SIZES)
-
-
-def TritonAuxOutputWorkerClass():
-    from r3capture.aux_output.worker import TritonAuxOutputWorker
-
-    return TritonAuxOutputWorker
+        TritonAuxOutputWorker(SIZES)
 
 
 # --------------------------------------------------------------------- protocol calls

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from demo.scenario import ScenarioRun, pipeline_env, run_scenario, server_args
+from demo.scenario import ScenarioRun, run_scenario, server_launch
 from demo.serve import VLLMServer, cpu_emulation_env
 from demo.tiny_model import TINY_CONFIG
 
@@ -68,14 +68,7 @@ def hf_router(tiny_model):
 def serve_scenario(
     backend: str, model: str, env: dict, log_dir: Path, *, pipeline_stages: int = 1
 ) -> ScenarioRun:
-    # torch: stock vLLM, no --aux-output-backend flag at all (the reference).
-    args = server_args(
-        None if backend == "torch" else backend, tiny=True, pipeline_stages=pipeline_stages
-    )
-    name = backend
-    if pipeline_stages > 1:
-        env = {**env, **pipeline_env(pipeline_stages)}
-        name = f"{backend}-pp{pipeline_stages}"
+    name, args, env = server_launch(backend, tiny=True, env=env, pipeline_stages=pipeline_stages)
     with VLLMServer(model, args, env=env, log_path=log_dir / f"{name}.log") as server:
         run = run_scenario(
             server.base_url, model, vocab_size=TINY_CONFIG["vocab_size"], backend=name
