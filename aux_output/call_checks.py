@@ -18,7 +18,6 @@ import numpy as np
 import torch
 
 _METADATA_FIELDS = ("generation", "requests", "block_hashes", "finished_requests")
-_INDEX_DTYPES = (torch.int32, torch.int64)
 
 
 def checked_emit_starts(
@@ -62,7 +61,7 @@ def checked_emit_starts(
                 f"metadata.requests must map request ids to int emit starts, got values of "
                 f"dtype {emit_starts.dtype}"
             )
-        if emit_starts.min() < 0:
+        if min(requests.values()) < 0:
             raise ValueError(
                 f"metadata.requests has a negative emit start: "
                 f"{ {k: v for k, v in requests.items() if v < 0} }"
@@ -133,24 +132,6 @@ def check_host_counts(name: str, counts: Any, num_reqs: int) -> None:
             f"{name} must be a 1-D integer numpy array with >= {num_reqs} entries "
             f"(one per request of the step), got {_describe(counts)}"
         )
-
-
-def checked_device_index(
-    input_batch: Any, name: str, length: int, device: torch.device
-) -> torch.Tensor:
-    """``input_batch.<name>``: a 1-D integer tensor on ``device`` with ``>= length`` entries."""
-    t = getattr(input_batch, name, None)
-    if type(t) is not torch.Tensor or t.dim() != 1 or t.dtype not in _INDEX_DTYPES:
-        raise ValueError(
-            f"input_batch.{name} must be the 1-D integer tensor on the device that Model "
-            f"Runner V2 provides; got {_describe(t)}"
-        )
-    if t.shape[0] < length or t.device != device:
-        raise ValueError(
-            f"input_batch.{name} must hold >= {length} entries on {device}; got "
-            f"{t.shape[0]} on {t.device}"
-        )
-    return t
 
 
 def _describe(value: Any) -> str:

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from r3capture.kernels import GatherPackLaunch, can_write_host_directly
+from r3capture.kernels import GatherPackLaunch, GatherPackShape, can_write_host_directly
 
 TORCH_DTYPES = {np.dtype(np.uint8): torch.uint8, np.dtype(np.uint16): torch.uint16}
 
@@ -151,20 +151,38 @@ class DeviceSide:
             for i in range(self._depth)
         ]
 
+    def check_step(
+        self,
+        query_start_loc: object,
+        positions: object,
+        num_rejected: object,
+        *,
+        num_reqs: int,
+        num_rows: int,
+    ) -> GatherPackShape:
+        """The kernel's checks of one step's device inputs (``GatherPackArgumentError`` names
+        a bad one), made before anything changes; ``launch`` then repeats none of them."""
+        return self._launches[self._next].check_step(
+            query_start_loc, positions, num_rejected, num_reqs=num_reqs, num_rows=num_rows
+        )
+
     def launch(
         self,
         *,
         table_row: np.ndarray,
         ring_updates: tuple[np.ndarray, np.ndarray] | None,
-        query_start_loc: torch.Tensor,
-        positions: torch.Tensor,
+        shape: GatherPackShape | None,
+        query_start_loc: torch.Tensor | None,
+        positions: torch.Tensor | None,
         num_rejected: torch.Tensor | None,
         num_rows: int,
     ) -> LaunchedStep:
         """Bring the device's table rows and slot ring up to date, then launch the kernel.
 
         ``table_row`` [R] int64 (numpy); ``ring_updates``: (flat ring index, value) int64
-        arrays, or None; ``query_start_loc``, ``positions``: the batch's device tensors.
+        arrays, or None; ``shape``: what ``check_step`` returned for the batch's device
+        ``query_start_loc``, ``positions`` and ``num_rejected`` (None for a step without
+        requests).
         """
         num_reqs = len(table_row)
         index = self._next
@@ -173,9 +191,7 @@ class DeviceSide:
             self._upload(index, table_row, ring_updates)
         step = LaunchedStep(index, num_reqs, num_rows)
         if num_reqs:
-            self._launches[index](
-                query_start_loc, positions, num_rejected, num_reqs=num_reqs, num_rows=num_rows
-            )
+            self._launches[index].launch_checked(shape, query_start_loc, positions, num_rejected)
         return step
 
     def _upload(

@@ -22,7 +22,7 @@ from r3capture.store import KEY_WORDS, BlockStore
 
 NO_KEYS = np.empty((0, KEY_WORDS), np.uint64)
 _NO_ROWS = np.empty(0, np.int64)
-_NO_SLOTS: list[int] = []
+_NO_SLOTS = np.empty(0, np.int64)
 
 
 class Publisher:
@@ -32,7 +32,7 @@ class Publisher:
         self._store = store
         self._table = table
         self._block_size = block_size
-        self._queued: list[tuple[np.ndarray, list[int], np.ndarray, np.ndarray]] = []
+        self._queued: list[tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]] = []
 
     def publish(
         self,
@@ -51,11 +51,11 @@ class Publisher:
             ready = np.minimum(table.num_keys[rows], cursor_blocks) - table.base[rows]
             chosen = (ready > 0).nonzero()[0]
             if chosen.size:
-                rows, ready = rows[chosen].tolist(), ready[chosen].tolist()
-                bases = table.base[rows].tolist()
+                rows, ready = rows[chosen], ready[chosen]
+                bases = table.base[rows]
                 parts = [
                     table.keys_of(row, base, base + count)
-                    for row, base, count in zip(rows, bases, ready)
+                    for row, base, count in zip(rows.tolist(), bases.tolist(), ready.tolist())
                 ]
                 keys = np.concatenate(parts) if len(parts) > 1 else parts[0]
                 slots = table.take_leading(rows, ready)

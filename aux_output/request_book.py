@@ -17,7 +17,6 @@ import numpy as np
 import torch
 
 from r3capture.aux_output import envs
-from r3capture.aux_output.call_checks import checked_device_index
 from r3capture.aux_output.device_side import DeviceSide, LaunchedStep
 from r3capture.aux_output.errors import require
 from r3capture.aux_output.output_pool import OutputPool
@@ -32,7 +31,15 @@ from r3capture.aux_output.types import (
     key_rows_of,
     key_rows_of_requests,
 )
+from r3capture.kernels import GatherPackArgumentError
 from r3capture.store import BlockStore
+
+# The input_batch field behind each kernel argument the worker takes from the batch.
+_BATCH_FIELD_OF = {
+    "query_start_loc": "query_start_loc",
+    "num_reqs": "query_start_loc",
+    "positions": "positions",
+}
 
 # How far past its scheduled rows a request's slots reach when it takes new ones.
 LOOKAHEAD_TOKENS = 64
@@ -212,30 +219,16 @@ class RequestBook:
 
     _checked_rows: np.ndarray | None = None
 
-    def device_inputs_of(
-        self, input_batch: Any, layout: StepLayout
-    ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-        """The batch's device ``query_start_loc`` (``[>= R+1]``) and ``positions``
-        (``[>= num_rows]``), both 1-D; ``(None, None)`` for a step without requests."""
-        if not layout.request_ids:
-            return None, None
-        qsl = checked_device_index(
-            input_batch, "query_start_loc", len(layout.rows) + 1, self._device
-        )
-        positions = checked_device_index(
-            input_batch, "positions", int(layout.query_start_loc[-1]), self._device
-        )
-        return qsl, positions
-
     def launch(
         self,
         layout: StepLayout,
-        query_start_loc: torch.Tensor | None,
-        positions: torch.Tensor | None,
+        input_batch: Any,
         num_rejected: torch.Tensor | None,
         device_side: DeviceSide,
     ) -> LaunchedStep:
-        """Give the step's requests the slots they need and launch the kernel."""
+        """Check the batch's device inputs (``query_start_loc`` ``[>= R+1]``, ``positions``
+        ``[>= num_rows]``, 1-D, on the device), give the step's requests the slots they need
+        and launch the kernel. A refused input changes nothing."""
         table = self.table
         # The device ring mirrors the host ring; both are replaced when the table grows, and
         # the kernel's destination when the store grows.
@@ -243,13 +236,37 @@ class RequestBook:
         if attached != self._attached:
             device_side.attach(table.ring, self._arena_blocks())
             self._attached = attached
+        num_rows = int(layout.query_start_loc[-1])
+        query_start_loc = positions = shape = None
+        if layout.request_ids:
+            query_start_loc = getattr(input_batch, "query_start_loc", None)
+            positions = getattr(input_batch, "positions", None)
+            try:
+                shape = device_side.check_step(
+                    query_start_loc,
+                    positions,
+                    num_rejected,
+                    num_reqs=len(layout.rows),
+                    num_rows=num_rows,
+                )
+            except GatherPackArgumentError as exc:
+                # num_reqs comes from the batch: too many means query_start_loc is short.
+                field = _BATCH_FIELD_OF.get(exc.argument)
+                if field is None:
+                    raise
+                raise ValueError(
+                    f"input_batch.{field} must be the 1-D integer tensor on the device that "
+                    f"Model Runner V2 provides, with an entry per "
+                    f"{'request and one more' if field == 'query_start_loc' else 'row'} ({exc})"
+                ) from None
         launched = device_side.launch(
             table_row=layout.rows,
             ring_updates=self._take_slots(layout),
+            shape=shape,
             query_start_loc=query_start_loc,
             positions=positions,
             num_rejected=num_rejected,
-            num_rows=int(layout.query_start_loc[-1]),
+            num_rows=num_rows,
         )
         self._in_flight.append(layout)
         return launched
@@ -265,17 +282,18 @@ class RequestBook:
         slot (and ``LOOKAHEAD_TOKENS`` beyond); returns the ring entries that changed, or
         None when none did."""
         B = self._block_size
-        lasts = (layout.token_starts + layout.num_tokens - 1) // B
+        lasts = layout.token_starts + layout.num_tokens
+        lasts -= 1
+        lasts //= B
         grow = (lasts >= self.table.end[layout.rows]).nonzero()[0]
         if not grow.size:
             return None
-        table = self.table
-        rows = layout.rows[grow].tolist()
-        lasts = (lasts[grow] + self._lookahead).tolist()
-        firsts = (layout.token_starts[grow] // B).tolist()
-        ends = table.end[rows].tolist()
-        count = sum(last + 1 - (end or first) for first, last, end in zip(firsts, lasts, ends))
-        return table.take_slots(rows, firsts, lasts, self.store.allocate(count))
+        return self.table.take_slots(
+            layout.rows[grow],
+            layout.token_starts[grow] // B,
+            lasts[grow] + self._lookahead,
+            self.store.allocate,
+        )
 
     def _arena_blocks(self) -> torch.Tensor:
         """The store arena as ``[slots, B, L, K]`` of the row dtype (a view, no copy)."""

@@ -16,7 +16,7 @@ as whole vectors.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import numpy as np
 
@@ -156,65 +156,60 @@ class RequestTable:
 
     # ---------------------------------------------------------------- slots
     def take_slots(
-        self, rows: list[int], firsts: list[int], lasts: list[int], slots: np.ndarray
+        self,
+        rows: np.ndarray,
+        firsts: np.ndarray,
+        lasts: np.ndarray,
+        allocate: Callable[[int], np.ndarray],
     ) -> tuple[np.ndarray, np.ndarray]:
-        """Extend each ``rows[i]`` (distinct) to blocks up to ``lasts[i]`` with new slots taken
-        in order from ``slots``; ``firsts[i]`` is the row's first block if it had none yet
-        (ignored otherwise). Returns the ring entries that changed, for the device copy:
-        ``(flat index into ring, value)``: each row's new slots, then its window's two ends.
+        """Extend each ``rows[i]`` (distinct) to blocks up to ``lasts[i]`` with new slots from
+        ``allocate(n)`` (``n`` slots, taken row by row in block order); ``firsts[i]`` is the
+        row's first block if it had none yet (ignored otherwise). int64 arrays ``[G]``.
 
-        One short loop over the rows that grow (a decode step grows a few), each row's run of
-        blocks written with one numpy call (a prefill chunk's run is hundreds of blocks).
-        Raises ``OverflowError`` (before any change) when a request would hold more than
-        ``ring_width`` unbound blocks.
+        Returns the ring entries that changed, for the device copy: ``(flat index into ring,
+        value)``, int64: the new slots, then each row's window ends. Vectorized over the rows:
+        a step's cost does not grow with how many requests cross a block boundary. Raises
+        ``OverflowError`` (before any change, and before ``allocate``) when a request would
+        hold more than ``ring_width`` unbound blocks.
         """
         width = self.ring_width
         stride = width + 2
+        ends = self.end[rows]
+        new_rows = ends == 0
+        bases = np.where(new_rows, firsts, self.base[rows])
+        starts = np.where(new_rows, firsts, ends)
+        too_wide = lasts + 1 - bases > width
+        if too_wide.any():
+            i = int(np.argmax(too_wide))
+            raise OverflowError(
+                f"a request needs {int(lasts[i] + 1 - bases[i])} unbound hash blocks, more "
+                f"than the slot ring holds ({width})"
+            )
+        counts = lasts + 1 - starts
+        slots = allocate(int(counts.sum()))
+        row_of, block = _block_runs(rows, starts, counts)
+        block %= width
+        block += row_of * stride
+        windows = rows * stride + width
         ring = self.ring.reshape(-1)
-        base_of, end_of = self.base, self.end
-        plans = []
-        for row, first, last in zip(rows, firsts, lasts):
-            end = int(end_of[row])
-            base = first if end == 0 else int(base_of[row])
-            start = first if end == 0 else end
-            if last + 1 - base > width:
-                raise OverflowError(
-                    f"a request needs {last + 1 - base} unbound hash blocks, more than the slot "
-                    f"ring holds ({width})"
-                )
-            plans.append((row, base, start, last))
-        index, values = [], []
-        taken = 0
-        for row, base, start, last in plans:
-            count = last + 1 - start
-            new = slots[taken : taken + count]
-            taken += count
-            columns = np.arange(start, last + 1, dtype=np.int64)
-            columns %= width
-            columns += row * stride
-            ring[columns] = new
-            window = row * stride + width
-            ring[window] = base_of[row] = base
-            ring[window + 1] = last
-            end_of[row] = last + 1
-            index += (columns, (window, window + 1))
-            values += (new, (base, last))
-        return np.concatenate(index), np.concatenate(values)
+        ring[block] = slots
+        ring[windows] = bases
+        ring[windows + 1] = lasts
+        self.base[rows] = bases
+        self.end[rows] = lasts + 1
+        return (
+            np.concatenate((block, windows, windows + 1)),
+            np.concatenate((slots, bases, lasts)),
+        )
 
-    def take_leading(self, rows: list[int], counts: list[int]) -> list[int]:
-        """Hand the first ``counts[i]`` unbound blocks of each ``rows[i]`` (distinct) over to
-        the store: returns their slots (row by row, block order) and advances ``base``.
-
-        A loop over the rows, like ``take_slots``: a step hands over a few blocks."""
-        width = self.ring_width
-        ring, base_of = self.ring, self.base
-        slots: list[int] = []
-        for row, count in zip(rows, counts):
-            base = int(base_of[row])
-            columns = [block % width for block in range(base, base + count)]
-            slots += ring[row, columns].tolist()
-            base_of[row] = base + count
-        return slots
+    def take_leading(self, rows: np.ndarray, counts: np.ndarray) -> np.ndarray:
+        """Hand the first ``counts[i]`` unbound blocks of each ``rows[i]`` (distinct; int64
+        arrays) over to the store: returns their slots (int64, row by row, block order) and
+        advances ``base``."""
+        bases = self.base[rows]
+        row_of, block = _block_runs(rows, bases, counts)
+        self.base[rows] = bases + counts
+        return self.ring[row_of, block % self.ring_width].astype(np.int64)
 
     def unbound_slots(self, rows: np.ndarray) -> np.ndarray:
         """Slots (int64) of the unbound blocks of ``rows``, row by row."""

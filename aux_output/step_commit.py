@@ -72,69 +72,77 @@ def commit_step(
 ) -> CommitPlan:
     """Check one step and move the cursors of its requests in ``table``.
 
-    ``num_sampled``/``num_rejected``: the host counts (``[>= R]``); ``step_info``: the
-    kernel's ``int32 [R, 3]`` (start, rows written or -1, status) or None for an empty step.
-    Raises ``AuxOutputProtocolError`` without changing ``table``.
+    ``num_sampled``/``num_rejected``: the host counts, 1-D integer arrays of ``>= R``
+    entries (``check_host_counts`` checked them when the copy was enqueued); ``step_info``:
+    the kernel's ``int32 [R, 3]`` (start, rows written or -1, status) or None for an empty
+    step. Raises ``AuxOutputProtocolError`` without changing ``table``.
     """
-    rows, starts = layout.rows, layout.token_starts
+    rows, starts, num_tokens = layout.rows, layout.token_starts, layout.num_tokens
     num_reqs = len(rows)
-    num_tokens = layout.num_tokens
-    given = {"num_sampled": np.asarray(num_sampled), "num_rejected": np.asarray(num_rejected)}
-    for name, counts in given.items():
-        if counts.ndim != 1 or counts.shape[0] < num_reqs or counts.dtype.kind not in "iu":
-            raise ValueError(
-                f"{name} must be a 1-D integer array of >= {num_reqs} counts (one per request "
-                f"of the step); got {counts.dtype} of shape {counts.shape}"
-            )
-    sampled = given["num_sampled"][:num_reqs]
-    rejected = given["num_rejected"][:num_reqs]
-    rejected = rejected.astype(np.int64, copy=False)
-    accepted = num_tokens - rejected
+    sampled = num_sampled[:num_reqs]
+    accepted = num_tokens - num_rejected[:num_reqs]
     cursor = table.cursor[rows]
     fresh = cursor < 0  # NO_CURSOR: the request's first capture starts where scheduled
-    cursor = np.maximum(cursor, starts * fresh)
-    reattach = starts > cursor
+    cursor = np.where(fresh, starts, cursor)
     capture_starts = np.minimum(starts, cursor)
-    checks = (
-        num_tokens <= 0,
-        (accepted < 0) | (accepted > num_tokens),
-        starts < cursor,
-        reattach & (cursor >= table.scheduled[rows]),
-        fresh & (accepted > 0) & (capture_starts % block_size != 0),
-    )
-    failed = checks[0] | checks[1] | checks[2] | checks[3] | checks[4]
-    bad = failed
+    # Every check in one pass; which one failed is worked out only on failure.
+    bad = (accepted < 0) | (accepted > num_tokens)
+    bad |= num_tokens <= 0
+    bad |= starts < cursor
+    bad |= (starts > cursor) & (cursor >= table.scheduled[rows])
+    if fresh.any():
+        bad |= fresh & (accepted > 0) & (capture_starts % block_size != 0)
     if step_info is not None:
         # The kernel placed every accepted row where the host expects it.
-        bad = bad | (step_info[:, 2] != 0) | (step_info[:, 1] < accepted)
-        bad |= step_info[:, 0] != capture_starts
-    if np.count_nonzero(bad):
-        _raise_first_error(layout, checks, failed, bad, step_info, capture_starts, accepted)
+        start, written, status = step_info.T
+        bad |= status != 0
+        bad |= written < accepted
+        bad |= start != capture_starts
+    if bad.any():
+        _raise_first_error(
+            layout, table, fresh, cursor, bad, step_info, capture_starts, accepted, block_size
+        )
     token_ends = capture_starts + accepted
     emit_starts = table.emit[rows]
     emits = (sampled > 0) & (emit_starts <= token_ends)
     before = emit_starts < capture_starts
-    direct = (emits & ~before).nonzero()[0]
-    materialize = (emits & before).nonzero()[0]
+    if before.any():
+        direct = (emits & ~before).nonzero()[0]
+        materialize = (emits & before).nonzero()[0]
+    else:
+        direct, materialize = emits.nonzero()[0], _NONE
     table.cursor[rows] = token_ends
     table.scheduled[rows] = starts + num_tokens
-    emitted = rows[emits]
-    table.emit[emitted] = token_ends[emits]
+    table.emit[rows] = np.where(emits, token_ends, emit_starts)
     return CommitPlan(capture_starts, token_ends, emit_starts, direct, materialize)
+
+
+_NONE = np.empty(0, np.int64)
 
 
 def _raise_first_error(
     layout: StepLayout,
-    checks: tuple[np.ndarray, ...],
-    failed: np.ndarray,
+    table: RequestTable,
+    fresh: np.ndarray,
+    cursor: np.ndarray,
     bad: np.ndarray,
     step_info: np.ndarray | None,
     capture_starts: np.ndarray,
     accepted: np.ndarray,
+    block_size: int,
 ) -> None:
     """vLLM's error for the first request failing a protocol check (in vLLM's order of
     checks); failing none, the first request the kernel did not place as expected."""
-    if np.count_nonzero(failed):
+    starts, num_tokens = layout.token_starts, layout.num_tokens
+    checks = (
+        num_tokens <= 0,
+        (accepted < 0) | (accepted > num_tokens),
+        starts < cursor,
+        (starts > cursor) & (cursor >= table.scheduled[layout.rows]),
+        fresh & (accepted > 0) & (capture_starts % block_size != 0),
+    )
+    failed = checks[0] | checks[1] | checks[2] | checks[3] | checks[4]
+    if failed.any():
         first = int(np.argmax(failed))
         message = next(text for mask, text in zip(checks, _CHECKS) if mask[first])
         raise AuxOutputProtocolError(f"{message}: request={layout.request_ids[first]}")

@@ -193,14 +193,11 @@ class TritonAuxOutputWorker:
             return None
         with self._lock:
             layout = self._book.layout_of(input_batch)
-            query_start_loc, positions = self._book.device_inputs_of(input_batch, layout)
             require(
                 len(self._pending) < self.sizing.max_concurrent_batches,
                 "auxiliary output step outputs are not consumed in order",
             )
-            launched = self._book.launch(
-                layout, query_start_loc, positions, num_rejected, self.device_side
-            )
+            launched = self._book.launch(layout, input_batch, num_rejected, self.device_side)
             pending = PendingStep(self, layout, launched)
             self._pending.append(pending)
         return pending

@@ -10,6 +10,8 @@ from r3capture.kernels._common import (
     STATUS_BAD_REJECTED,
     STATUS_BAD_ROWS,
     STATUS_OK,
+    GatherPackArgumentError,
+    GatherPackShape,
     Status,
 )
 from r3capture.kernels._device import can_write_host_directly
@@ -17,7 +19,9 @@ from r3capture.kernels.gather_pack import GatherPackLaunch, gather_pack
 from r3capture.kernels.reference import gather_pack_reference
 
 __all__ = [
+    "GatherPackArgumentError",
     "GatherPackLaunch",
+    "GatherPackShape",
     "STATUS_BAD_BLOCK",
     "STATUS_BAD_REJECTED",
     "STATUS_BAD_ROWS",

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
@@ -35,9 +36,8 @@ DEST_DTYPES = (torch.uint8, torch.uint16)
 INDEX_DTYPES = (torch.int32, torch.int64)
 
 
-@dataclass(frozen=True)
-class GatherPackShape:
-    """Host-side sizes of one gather-pack call, after validation."""
+class GatherPackShape(NamedTuple):
+    """Host-side sizes of one gather-pack call, after validation (a tuple: made per step)."""
 
     num_reqs: int  # requests handled: step_info rows 0..num_reqs-1 are written
     row_limit: int  # rows that may be read: min(num_rows bound, capture rows)
@@ -48,13 +48,22 @@ class GatherPackShape:
     rows_layout: bool  # dest is [rows, L, K] staging, not [S, B, L, K] slots
 
 
-def _fail(name: str, expected: str, tensor_or_value: object) -> ValueError:
+class GatherPackArgumentError(ValueError):
+    """A malformed gather-pack argument; ``argument`` is its name, so a caller that took the
+    value from elsewhere (the worker: ``input_batch.positions``) can say where."""
+
+    def __init__(self, argument: str, message: str) -> None:
+        super().__init__(message)
+        self.argument = argument
+
+
+def _fail(name: str, expected: str, tensor_or_value: object) -> GatherPackArgumentError:
     if isinstance(tensor_or_value, torch.Tensor):
         t = tensor_or_value
         actual = f"shape {tuple(t.shape)}, dtype {t.dtype}, device {t.device}, stride {t.stride()}"
     else:
         actual = repr(tensor_or_value)
-    return ValueError(f"gather_pack: {name} must be {expected}; got {actual}")
+    return GatherPackArgumentError(name, f"gather_pack: {name} must be {expected}; got {actual}")
 
 
 def _check_tensor(name: str, t: object, ndim: int, dtypes: tuple[torch.dtype, ...]) -> None:

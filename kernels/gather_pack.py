@@ -45,6 +45,7 @@ from r3capture.kernels._common import (
     STATUS_BAD_REJECTED,
     STATUS_BAD_ROWS,
     STATUS_OK,
+    GatherPackShape,
     check_static_args,
     check_step_args,
 )
@@ -392,6 +393,27 @@ class GatherPackLaunch:
         """The ``[>= R, 3]`` int32 tensor each launch writes ``(start, accepted, status)`` to."""
         return self._args["step_info"]
 
+    def check_step(
+        self,
+        query_start_loc: torch.Tensor,
+        positions: torch.Tensor,
+        num_rejected: torch.Tensor | None = None,
+        *,
+        num_reqs: int | None = None,
+        num_rows: int | None = None,
+    ) -> GatherPackShape:
+        """Validate one step's arguments (see ``__call__``) without launching; raises
+        ``GatherPackArgumentError`` naming the argument."""
+        return check_step_args(
+            self._static,
+            capture=self._args["capture"],
+            query_start_loc=query_start_loc,
+            positions=positions,
+            num_rejected=num_rejected,
+            num_reqs=num_reqs,
+            num_rows=num_rows,
+        )
+
     def __call__(
         self,
         query_start_loc: torch.Tensor,
@@ -403,16 +425,19 @@ class GatherPackLaunch:
     ) -> None:
         """Launch for one step: ``query_start_loc`` [>= R+1], ``positions`` [>= num_rows],
         ``num_rejected`` [>= R] or None; ``num_reqs`` None means ``len(query_start_loc)-1``."""
-        capture = self._args["capture"]
-        shape = check_step_args(
-            self._static,
-            capture=capture,
-            query_start_loc=query_start_loc,
-            positions=positions,
-            num_rejected=num_rejected,
-            num_reqs=num_reqs,
-            num_rows=num_rows,
+        shape = self.check_step(
+            query_start_loc, positions, num_rejected, num_reqs=num_reqs, num_rows=num_rows
         )
+        self.launch_checked(shape, query_start_loc, positions, num_rejected)
+
+    def launch_checked(
+        self,
+        shape: GatherPackShape,
+        query_start_loc: torch.Tensor,
+        positions: torch.Tensor,
+        num_rejected: torch.Tensor | None,
+    ) -> None:
+        """Launch with arguments ``check_step`` returned ``shape`` for (no checks repeated)."""
         if not self._use_triton:
             args = dict(
                 self._args,
@@ -424,6 +449,7 @@ class GatherPackLaunch:
             return
         if shape.num_reqs == 0:
             return
+        capture = self._args["capture"]
         tiles = self._tiles
         grid = (
             max(

@@ -81,6 +81,8 @@ def _new_arena(num_slots: int, object_nbytes: int, pin_memory: bool) -> torch.Te
 
 
 def _check_int(name: str, value: object) -> int:
+    if type(value) is int:
+        return value
     if isinstance(value, bool) or not isinstance(value, numbers.Integral):
         raise TypeError(f"{name} must be an int, got {type(value).__name__} {value!r}")
     return int(value)

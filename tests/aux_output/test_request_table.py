@@ -15,23 +15,34 @@ def keys(*values: int) -> np.ndarray:
     return rows
 
 
+def take(table, rows, firsts, lasts, slots):
+    """``take_slots`` on lists, handing out ``slots`` (which must be exactly what it asks)."""
+
+    def allocate(n):
+        assert n == len(slots), (n, slots)
+        return np.asarray(slots, np.int64)
+
+    arrays = (np.asarray(a, np.int64) for a in (rows, firsts, lasts))
+    return table.take_slots(*arrays, allocate)
+
+
 def test_ring_holds_the_unbound_window_and_wraps():
     table = RequestTable(ring_width=4)
     a, b = table.add("a", 0), table.add("b", 0)
     W2 = 4 + 2  # ring columns plus the block window
     # a takes blocks 5..7 (its first), b blocks 0..1.
-    index, values = table.take_slots([a, b], [5, 0], [7, 1], np.array([10, 11, 12, 20, 21]))
+    index, values = take(table, [a, b], [5, 0], [7, 1], [10, 11, 12, 20, 21])
     assert index.tolist() == [
-        a * W2 + 1, a * W2 + 2, a * W2 + 3, a * W2 + 4, a * W2 + 5,  # slots (block % 4), window
-        b * W2 + 0, b * W2 + 1, b * W2 + 4, b * W2 + 5,
+        a * W2 + 1, a * W2 + 2, a * W2 + 3, b * W2 + 0, b * W2 + 1,  # slots (block % 4)
+        a * W2 + 4, b * W2 + 4, a * W2 + 5, b * W2 + 5,  # each window's first, then last block
     ]  # fmt: skip
-    assert values.tolist() == [10, 11, 12, 5, 7, 20, 21, 0, 1]
+    assert values.tolist() == [10, 11, 12, 20, 21, 5, 0, 7, 1]
     assert table.ring.reshape(-1)[index].tolist() == values.tolist()
     assert table.unbound_slots(np.array([a, b])).tolist() == [10, 11, 12, 20, 21]
     # a hands blocks 5 and 6 to the store, then grows into columns that wrap around.
-    assert table.take_leading([a], [2]) == [10, 11]
+    assert table.take_leading(np.array([a]), np.array([2])).tolist() == [10, 11]
     assert (table.base[a], table.end[a]) == (7, 8)
-    _, values = table.take_slots([a], [99], [10], np.array([13, 14, 15]))
+    _, values = take(table, [a], [99], [10], [13, 14, 15])
     assert values.tolist() == [13, 14, 15, 7, 10]  # firsts ignored: a had blocks already
     assert table.unbound_slots(np.array([a])).tolist() == [12, 13, 14, 15]
     assert table.ring[a].tolist() == [13, 14, 15, 12, 7, 10]  # blocks 8, 9, 10 wrapped
@@ -45,10 +56,11 @@ def test_ring_holds_the_unbound_window_and_wraps():
 def test_ring_overflow_is_refused_before_any_change():
     table = RequestTable(ring_width=3)
     a = table.add("a", 0)
-    table.take_slots([a], [0], [1], np.array([1, 2]))
+    take(table, [a], [0], [1], [1, 2])
     ring = table.ring.copy()
     with pytest.raises(OverflowError, match="more than the slot ring holds \\(3\\)"):
-        table.take_slots([a], [0], [3], np.array([3, 4]))
+        # Refused before any slot is asked for.
+        take(table, [a], [0], [3], [])
     assert np.array_equal(table.ring, ring) and table.end[a] == 2
 
 
@@ -77,7 +89,7 @@ def test_removed_rows_are_reused_fresh_and_version_bumps():
     a = table.add("a", 5)
     table.cursor[a] = 9
     table.add_keys([a], keys(1), [1])
-    table.take_slots([a], [0], [1], np.array([3, 4]))
+    take(table, [a], [0], [1], [3, 4])
     version = table.version
     assert table.remove(["a"]).tolist() == [3, 4]
     assert table.version > version and "a" not in table.index
@@ -92,7 +104,7 @@ def test_removed_rows_are_reused_fresh_and_version_bumps():
 def test_clear_frees_every_unbound_slot_in_add_order():
     table = RequestTable(ring_width=4)
     rows = [table.add(name, 0) for name in ("x", "y", "z")]
-    table.take_slots(rows, [0, 3, 5], [0, 4, 5], np.array([7, 8, 9, 6]))
+    take(table, rows, [0, 3, 5], [0, 4, 5], [7, 8, 9, 6])
     assert table.live_rows().tolist() == rows
     assert table.clear().tolist() == [7, 8, 9, 6]
     assert len(table) == 0

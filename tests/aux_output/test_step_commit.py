@@ -101,19 +101,3 @@ def test_kernel_results_that_disagree_fail_closed(step_info, what):
     step = layout(table, names, [4], [2])
     with pytest.raises(AuxOutputProtocolError, match=f"not placed by the capture kernel.*{what}"):
         commit_step(step, table, np.ones(1, int), np.zeros(1, int), step_info, block_size=B)
-
-
-@pytest.mark.parametrize(
-    "sampled, rejected, name",
-    [
-        (np.ones(1), np.zeros(2, np.int32), "num_sampled"),  # float
-        (np.ones(2, np.int32), np.zeros(1, np.int32), "num_rejected"),  # too short
-        (np.ones((2, 1), np.int32), np.zeros(2, np.int32), "num_sampled"),  # 2-D
-    ],
-)
-def test_host_counts_of_the_wrong_shape_are_named(sampled, rejected, name):
-    table, names = setup([4, 4])
-    step = layout(table, names, [4, 4], [1, 1])
-    with pytest.raises(ValueError, match=f"{name} must be a 1-D integer array of >= 2 counts"):
-        commit_step(step, table, sampled, rejected, info([4, 4], [1, 1]), block_size=B)
-    assert table.cursor[step.rows].tolist() == [4, 4]

@@ -325,10 +325,10 @@ def test_bad_construction_is_rejected_with_the_argument_named(overrides, error, 
 @pytest.mark.parametrize(
     "positions, message",
     [
-        (None, "got NoneType"),
-        (torch.zeros(3, 2, dtype=torch.int64), "got Tensor torch.int64 of shape \\(3, 2\\)"),
-        (torch.zeros(3), "got Tensor torch.float32"),
-        (torch.zeros(1, dtype=torch.int64), "hold >= 3 entries"),
+        (None, "a torch.Tensor; got 'NoneType'"),
+        (torch.zeros(3, 2, dtype=torch.int64), "1-D; got shape \\(3, 2\\)"),
+        (torch.zeros(3), "dtype int32/int64; got shape \\(3,\\), dtype torch.float32"),
+        (torch.zeros(1, dtype=torch.int64), "of length >= num_rows \\(3\\); got shape \\(1,\\)"),
     ],
     ids=["missing", "mrope-2d", "float", "short"],
 )
@@ -346,7 +346,7 @@ def test_prepare_output_needs_the_device_positions(positions, message):
     with pytest.raises(ValueError, match="input_batch.positions must.*" + message):
         worker.prepare_output(batch)
     batch.positions, batch.query_start_loc = torch.arange(3), None
-    with pytest.raises(ValueError, match="input_batch.query_start_loc must.*got NoneType"):
+    with pytest.raises(ValueError, match="input_batch.query_start_loc must.*got 'NoneType'"):
         worker.prepare_output(batch)
     batch.query_start_loc = torch.tensor([0, 3])
     batch.positions = torch.arange(3)
