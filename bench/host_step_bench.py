@@ -336,8 +336,18 @@ def run(
     for model, depth in groups:
         t0 = time.perf_counter()
         out = _child(
-            ["record", "--cache", str(CACHE), "--model", model, "--depth", str(depth),
-             "--seed", str(seed), *families]  # fmt: skip
+            [
+                "record",
+                "--cache",
+                str(CACHE),
+                "--model",
+                model,
+                "--depth",
+                str(depth),
+                "--seed",
+                str(seed),
+                *families,
+            ]  # fmt: skip
         )
         dirs[(model, depth)] = json.loads(out.strip().splitlines()[-1])
         print(f"recordings {model} d{depth}: {time.perf_counter() - t0:.0f} s", flush=True)
@@ -352,8 +362,14 @@ def run(
                     out_path = Path(tmp) / f"{provider}-{model}-{depth}-{repeat}.pkl"
                     t0 = time.perf_counter()
                     _child(
-                        ["replay", "--connector", provider, "--out", str(out_path),
-                         *dirs[(model, depth)]]  # fmt: skip
+                        [
+                            "replay",
+                            "--connector",
+                            provider,
+                            "--out",
+                            str(out_path),
+                            *dirs[(model, depth)],
+                        ]  # fmt: skip
                     )
                     with open(out_path, "rb") as f:
                         result = pickle.load(f)

@@ -148,7 +148,8 @@ def prefill() -> Family:
         )
 
     return Family(
-        "prefill", "12 long prompts (16k-40k tokens) in 8192-token chunks, 1-4 output tokens",
+        "prefill",
+        "12 long prompts (16k-40k tokens) in 8192-token chunks, 1-4 output tokens",
         build,
     )
 
