@@ -32,7 +32,8 @@ from __future__ import annotations
 from collections import Counter, OrderedDict, deque
 from collections.abc import Sequence
 from dataclasses import dataclass
-from itertools import filterfalse, islice, repeat
+from itertools import compress, filterfalse, islice, repeat
+from operator import add, sub
 
 import numpy as np
 
@@ -153,8 +154,9 @@ class Ledger:
         counts = None if len(distinct) == len(retained) else Counter(retained)
         keys = distinct if counts is None else counts.keys()
         held = keys & refs.keys() if refs else ()
-        for key in held:
-            refs[key] += 1 if counts is None else counts[key]
+        if held:
+            added = repeat(1) if counts is None else map(counts.__getitem__, held)
+            refs.update(zip(held, map(add, map(refs.__getitem__, held), added)))
         fresh = keys - held if held else keys
         if lru:
             deque(map(lru.pop, fresh, repeat(None)), maxlen=0)
@@ -186,12 +188,15 @@ class Ledger:
         keys whose last reference went, in the order they reached zero, after appending the
         stored ones to the order."""
         refs, lru, slots = self._refs, self._lru, self._slots
-        counts = list(map(refs.__getitem__, released))
-        if distinct and counts.count(1) == len(counts):
-            # A finishing request lets go of its own blocks: every count drops to zero.
-            deque(map(refs.__delitem__, released), maxlen=0)
-            lru.update(zip(filter(slots.__contains__, released), repeat(None)))
-            return released
+        if distinct:
+            # Each key once (a finishing request's blocks, the scheduler's pins): the keys at
+            # one reference are the terminal ones, in release order; all of it in C.
+            counts = list(map(refs.__getitem__, released))
+            terminal = list(compress(released, map((1).__eq__, counts)))
+            refs.update(zip(released, map(sub, counts, repeat(1))))
+            deque(map(refs.__delitem__, terminal), maxlen=0)
+            lru.update(zip(filter(slots.__contains__, terminal), repeat(None)))
+            return terminal
         terminal: list[bytes] = []
         for key in released:
             count = refs[key] - 1
