@@ -134,6 +134,29 @@ def check_host_counts(name: str, counts: Any, num_reqs: int) -> None:
         )
 
 
+# The input_batch field behind each kernel argument the worker takes from the batch; the
+# batch's request count is num_reqs, so too many of them means query_start_loc is short.
+_BATCH_FIELD_OF = {
+    "query_start_loc": "query_start_loc",
+    "num_reqs": "query_start_loc",
+    "positions": "positions",
+}
+
+
+def input_batch_error(exc: Exception) -> Exception:
+    """The error to raise for a ``GatherPackArgumentError`` from checking a batch's device
+    inputs: one naming the ``input_batch`` field it came from, or ``exc`` itself when the
+    argument (``num_rejected``) is not the batch's."""
+    field = _BATCH_FIELD_OF.get(getattr(exc, "argument", None))
+    if field is None:
+        return exc
+    per = "request and one more" if field == "query_start_loc" else "row"
+    return ValueError(
+        f"input_batch.{field} must be the 1-D integer tensor on the device that Model Runner "
+        f"V2 provides, with an entry per {per} ({exc})"
+    )
+
+
 def _describe(value: Any) -> str:
     """Type, and for an array or tensor its dtype and shape, for an error message."""
     got = type(value).__name__

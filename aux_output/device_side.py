@@ -127,6 +127,10 @@ class DeviceSide:
                 self._staging_host.append(torch.empty(shape, dtype=torch_dtype, pin_memory=on_cuda))
         self._ring_flat: torch.Tensor | None = None
         self._launches: list[GatherPackLaunch] = []
+        # What crossed (or, on a CPU, would cross) from the device to the host, cumulative.
+        self.transfer_stats = {"steps": 0, "rows": 0, "bytes": 0}
+        L, K = capture_buffer.shape[1:]
+        self._row_nbytes = L * K * self.dtype.itemsize
 
     def attach(self, ring_host: np.ndarray, arena_blocks: torch.Tensor) -> None:
         """(Re)build the device copy of the host ring ``int32 [rows, W + 2]`` (slots, then
@@ -234,3 +238,17 @@ class DeviceSide:
         """Wait for device work that may still write the arena (before it is replaced)."""
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
+
+    def count_transfer(self, step: LaunchedStep) -> None:
+        """Add a processed step's copies back to ``transfer_stats`` (its results valid)."""
+        stats = self.transfer_stats
+        stats["steps"] += 1
+        if step.staged_rows is not None:
+            # The staging copy moves every scheduled row.
+            rows = step.num_rows
+        else:
+            # Direct writes: exactly the rows the kernel wrote (statuses already checked OK).
+            info = step.step_info
+            rows = int(np.add.reduce(info[:, 1])) if info is not None else 0
+        stats["rows"] += rows
+        stats["bytes"] += rows * self._row_nbytes

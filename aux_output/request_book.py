@@ -17,6 +17,7 @@ import numpy as np
 import torch
 
 from r3capture.aux_output import envs
+from r3capture.aux_output.call_checks import input_batch_error
 from r3capture.aux_output.device_side import DeviceSide, LaunchedStep
 from r3capture.aux_output.errors import require
 from r3capture.aux_output.output_pool import OutputPool
@@ -33,13 +34,6 @@ from r3capture.aux_output.types import (
 )
 from r3capture.kernels import GatherPackArgumentError
 from r3capture.store import BlockStore
-
-# The input_batch field behind each kernel argument the worker takes from the batch.
-_BATCH_FIELD_OF = {
-    "query_start_loc": "query_start_loc",
-    "num_reqs": "query_start_loc",
-    "positions": "positions",
-}
 
 # How far past its scheduled rows a request's slots reach when it takes new ones.
 LOOKAHEAD_TOKENS = 64
@@ -102,8 +96,6 @@ class RequestBook:
         # waits for them.
         self._in_flight: list[StepLayout] = []
         self._deferred = 0
-        # What crossed (or, on a CPU, would cross) from the device to the host, cumulative.
-        self.transfer_stats = {"steps": 0, "rows": 0, "bytes": 0}
 
     def make_device_side(self, capture_buffer: torch.Tensor, kernel_impl: str) -> DeviceSide:
         """The device half, sized from this book (one per worker)."""
@@ -250,15 +242,7 @@ class RequestBook:
                     num_rows=num_rows,
                 )
             except GatherPackArgumentError as exc:
-                # num_reqs comes from the batch: too many means query_start_loc is short.
-                field = _BATCH_FIELD_OF.get(exc.argument)
-                if field is None:
-                    raise
-                raise ValueError(
-                    f"input_batch.{field} must be the 1-D integer tensor on the device that "
-                    f"Model Runner V2 provides, with an entry per "
-                    f"{'request and one more' if field == 'query_start_loc' else 'row'} ({exc})"
-                ) from None
+                raise input_batch_error(exc) from None
         launched = device_side.launch(
             table_row=layout.rows,
             ring_updates=self._take_slots(layout),
@@ -317,7 +301,6 @@ class RequestBook:
         plan = commit_step(
             layout, self.table, num_sampled, num_rejected, launched.step_info, self._block_size
         )
-        self._count_transfer(launched)
         if launched.staged_rows is not None:
             self._reader.place_staged(layout, launched.step_info, launched.staged_rows)
         # Copy emitted rows out before any slot can be bound (and later reused).
@@ -348,19 +331,6 @@ class RequestBook:
         self._publisher.publish(release_keys=table.release_order(rows[done].tolist()))
         self._publisher.flush()
         self._publisher.free(table.remove(request_ids))
-
-    def _count_transfer(self, launched: LaunchedStep) -> None:
-        stats = self.transfer_stats
-        stats["steps"] += 1
-        if launched.staged_rows is not None:
-            # The staging copy moves every scheduled row.
-            rows = launched.num_rows
-        else:
-            # Direct writes: exactly the rows the kernel wrote (statuses already checked OK).
-            info = launched.step_info
-            rows = int(np.add.reduce(info[:, 1])) if info is not None else 0
-        stats["rows"] += rows
-        stats["bytes"] += rows * self._row_nbytes
 
     def close(self) -> None:
         self.store.close()

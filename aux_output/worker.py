@@ -138,7 +138,7 @@ class TritonAuxOutputWorker:
     @property
     def transfer_stats(self) -> dict[str, int]:
         """Rows and bytes that crossed (on a CPU: would cross) to the host, cumulative."""
-        return {} if self._book is None else self._book.transfer_stats
+        return {} if self.device_side is None else self.device_side.transfer_stats
 
     def num_active_requests(self) -> int:
         return 0 if self._book is None else len(self._book.table)
@@ -217,6 +217,7 @@ class TritonAuxOutputWorker:
                 outputs = self._book.commit(
                     pending.layout, pending.launched, pending.num_sampled, pending.num_rejected
                 )
+                self.device_side.count_transfer(pending.launched)
                 committed = True
             finally:
                 self._pending.remove(pending)
