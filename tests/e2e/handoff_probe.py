@@ -19,11 +19,11 @@ def main(model: str, prompt: list[int], max_tokens: int, speculative_config: str
     from r3capture.kernels import GatherPackLaunch
 
     launches = []
-    launch = GatherPackLaunch.__call__
+    launch = GatherPackLaunch.launch_checked
 
-    def recording_launch(self, query_start_loc, positions, num_rejected=None, **counts):
-        launch(self, query_start_loc, positions, num_rejected, **counts)
-        num_reqs = counts["num_reqs"]
+    def recording_launch(self, shape, query_start_loc, positions, num_rejected):
+        launch(self, shape, query_start_loc, positions, num_rejected)
+        num_reqs = shape.num_reqs
         step_info = self.step_info[:num_reqs]
         launches.append(
             {
@@ -34,7 +34,8 @@ def main(model: str, prompt: list[int], max_tokens: int, speculative_config: str
             }
         )
 
-    GatherPackLaunch.__call__ = recording_launch
+    # The worker checks a step's arguments first (check_step), then launches them checked.
+    GatherPackLaunch.launch_checked = recording_launch
     llm = LLM(
         model=model,
         dtype="float32",
