@@ -96,6 +96,8 @@ class RequestBook:
         # waits for them.
         self._in_flight: list[StepLayout] = []
         self._deferred = 0
+        # Key work of steps begun and not yet applied (``begin``), oldest first.
+        self._key_work: list[_KeyWork] = []
 
     def make_device_side(self, capture_buffer: torch.Tensor, kernel_impl: str) -> DeviceSide:
         """The device half, sized from this book (one per worker)."""
@@ -114,16 +116,23 @@ class RequestBook:
 
     # ------------------------------------------------------------------ begin_step
     def begin(self, metadata: AuxOutputConnectorMetadata, emit_starts: np.ndarray) -> None:
-        """Apply a step's metadata (checked, with its emit starts as int64 ``[R]``); its store
-        call (every retain, release and bind) is queued."""
+        """Apply a step's metadata (checked, with its emit starts as int64 ``[R]``).
+
+        What the next launch needs happens now: rows for new requests, the emit-cursor check,
+        a prefix-cache reset, the teardown of finished requests with no step in flight. The
+        step's key work (new block hashes become store keys, the scheduler's pins, their
+        store call) is only recorded, and applied by the next ``commit`` on the output
+        thread, or first thing when a later step's teardown or reset needs every key.
+        """
         table = self.table
         # Pins named by the scheduler belong to the namespace it had before any bump.
-        retains = [key_rows_of(metadata.retained_block_hashes, self.generation)]
-        releases = [key_rows_of(metadata.released_block_hashes, self.generation)]
-        freed = None
+        work = _KeyWork(
+            metadata.retained_block_hashes, metadata.released_block_hashes, self.generation
+        )
         if metadata.generation > self.generation:
-            releases.append(table.release_order(table.live_rows().tolist()))
-            freed = table.clear()
+            self._apply_key_work()
+            work.releases.append(table.release_order(table.live_rows().tolist()))
+            self._publisher.free(table.clear())
             self.generation = metadata.generation
         if metadata.requests:
             rows = self._rows_adding(metadata.requests)
@@ -132,13 +141,10 @@ class RequestBook:
                 # Only settled requests count: in-flight steps lag the scheduler's view.
                 ahead &= ~np.isin(rows, self._rows_in_flight())
                 require(not ahead.any(), "auxiliary output Scheduler emit cursor moved ahead")
-        updated = None
         if metadata.block_hashes:
-            updated = [table.index[request_id] for request_id in metadata.block_hashes]
-            keys, counts = key_rows_of_requests(metadata.block_hashes.values(), self.generation)
-            table.add_keys(updated, keys, counts)
-            retains.append(keys)
-        finishing = []
+            work.rows = [table.index[request_id] for request_id in metadata.block_hashes]
+            work.hashes = list(metadata.block_hashes.values())
+            work.generation = self.generation
         if metadata.finished_requests:
             in_flight = set(self._rows_in_flight().tolist())
             for request_id in metadata.finished_requests:
@@ -147,16 +153,38 @@ class RequestBook:
                 if row in in_flight:
                     self._deferred += 1  # torn down by the last of its steps in flight
                 else:
-                    finishing.append(request_id)
-        if finishing:
-            releases.append(table.release_order([table.index[r] for r in finishing]))
-        if updated is not None or len(retains) + len(releases) > 2 or retains[0].size:
-            updated_rows = np.asarray(updated if updated is not None else [], np.int64)
-            self._publisher.publish(updated_rows, _joined(retains), _joined(releases))
-        if finishing:
-            self._publisher.free(table.remove(finishing))
-        if freed is not None:
-            self._publisher.free(freed)
+                    work.finishing.append(request_id)
+        if work.finishing or work.releases:
+            # Teardown and reset need every key now (and free slots the next launch may use).
+            self._apply_key_work()
+            self._apply(work)
+        elif work.rows or work.pins_retained or work.pins_released:
+            self._key_work.append(work)
+
+    def _apply_key_work(self) -> None:
+        """Apply the key work of every step begun since the last call, in order."""
+        queued, self._key_work = self._key_work, []
+        for work in queued:
+            self._apply(work)
+
+    def _apply(self, work: _KeyWork) -> None:
+        """One step's key work: its new keys join their requests, and one store call is
+        queued: bind the blocks now complete and keyed, retain the pins and the new keys,
+        release the released pins, the reset's keys and the finished requests' keys."""
+        table = self.table
+        retains = [key_rows_of(work.pins_retained, work.pin_generation)]
+        releases = [key_rows_of(work.pins_released, work.pin_generation), *work.releases]
+        if work.rows:
+            keys, counts = key_rows_of_requests(work.hashes, work.generation)
+            table.add_keys(work.rows, keys, counts)
+            retains.append(keys)
+        if work.finishing:
+            releases.append(table.release_order([table.index[r] for r in work.finishing]))
+        self._publisher.publish(
+            np.asarray(work.rows, np.int64), _joined(retains), _joined(releases)
+        )
+        if work.finishing:
+            self._publisher.free(table.remove(work.finishing))
 
     def _rows_adding(self, requests: dict[str, int]) -> np.ndarray:
         """Table rows (int64 ``[R]``) of the scheduled requests; new ones are added with
@@ -295,6 +323,7 @@ class RequestBook:
         num_rejected: np.ndarray,
     ) -> dict[str, AuxRequestOutput]:
         """Check the step, return its outputs, publish its blocks, read prefix hits."""
+        self._apply_key_work()
         if not len(layout.rows):
             self._publisher.flush()
             return {}
@@ -341,3 +370,37 @@ def _joined(parts: list[np.ndarray]) -> np.ndarray:
     if not parts:
         return NO_KEYS
     return parts[0] if len(parts) == 1 else np.concatenate(parts)
+
+
+class _KeyWork:
+    """One step's key work, recorded by ``begin`` and applied in order by ``_apply``:
+    ``hashes[i]`` (packed block hashes) of table row ``rows[i]`` in ``generation``; the
+    scheduler's pins (packed) in ``pin_generation``; ``releases``: key rows released at
+    once (a reset's); ``finishing``: requests to tear down."""
+
+    __slots__ = (
+        "pins_retained",
+        "pins_released",
+        "pin_generation",
+        "rows",
+        "hashes",
+        "generation",
+        "releases",
+        "finishing",
+    )
+
+    def __init__(self, pins_retained: Any, pins_released: Any, pin_generation: int) -> None:
+        self.pins_retained = pins_retained if _has_hashes(pins_retained) else None
+        self.pins_released = pins_released if _has_hashes(pins_released) else None
+        self.pin_generation = pin_generation
+        self.rows: list[int] = []
+        self.hashes: list[Any] = []
+        self.generation = pin_generation
+        self.releases: list[np.ndarray] = []
+        self.finishing: list[str] = []
+
+
+def _has_hashes(packed: Any) -> bool:
+    """Whether packed block hashes (or None) hold any hash; their ``data`` is immutable
+    bytes, so recording the object keeps the hashes as the scheduler sent them."""
+    return packed is not None and len(packed.data) > 0
