@@ -52,7 +52,7 @@ def checked_emit_starts(
     if generation > generation_now:
         is_known = _nothing  # the bump clears every request first
     check_ids = generation >= generation_now
-    if not isinstance(requests, Mapping):
+    if type(requests) is not dict and not isinstance(requests, Mapping):
         raise TypeError(f"metadata.requests must be a dict, got {type(requests).__name__}")
     emit_starts = np.array(list(requests.values()))
     if len(requests):
@@ -66,14 +66,16 @@ def checked_emit_starts(
                 f"metadata.requests has a negative emit start: "
                 f"{ {k: v for k, v in requests.items() if v < 0} }"
             )
-    if not isinstance(block_hashes, Mapping):
+    if type(block_hashes) is not dict and not isinstance(block_hashes, Mapping):
         raise TypeError(f"metadata.block_hashes must be a dict, got {type(block_hashes).__name__}")
     for request_id, packed in block_hashes.items():
         if check_ids and request_id not in requests and not is_known(request_id):
             raise KeyError(f"metadata.block_hashes names unknown request {request_id!r}")
         if not _is_packed(packed):
             _refuse_packed(f"metadata.block_hashes[{request_id!r}]", packed)
-    if isinstance(finished, (str, bytes)) or not hasattr(finished, "__iter__"):
+    if type(finished) is not tuple and (
+        isinstance(finished, (str, bytes)) or not hasattr(finished, "__iter__")
+    ):
         raise TypeError(
             f"metadata.finished_requests must be a tuple of request ids, got {finished!r}"
         )

@@ -67,6 +67,8 @@ def _fail(name: str, expected: str, tensor_or_value: object) -> GatherPackArgume
 
 
 def _check_tensor(name: str, t: object, ndim: int, dtypes: tuple[torch.dtype, ...]) -> None:
+    if type(t) is torch.Tensor and t.dim() == ndim and t.dtype in dtypes:
+        return
     if not isinstance(t, torch.Tensor):
         raise _fail(name, "a torch.Tensor", type(t).__name__)
     if t.dim() != ndim:
@@ -275,12 +277,13 @@ def check_step_args(
             raise _fail("num_rejected", f"of length >= num_reqs ({num_reqs})", num_rejected)
         if num_rejected.device != device:
             raise _fail("num_rejected", f"on the capture's device ({device})", num_rejected)
+    # Positional: made once per step (field order: num_reqs, row_limit, L, K, B, S, layout).
     return GatherPackShape(
-        num_reqs=num_reqs,
-        row_limit=num_rows,
-        num_layers=static.num_layers,
-        top_k=static.top_k,
-        hash_block=static.hash_block,
-        num_slots=static.num_slots,
-        rows_layout=static.rows_layout,
+        num_reqs,
+        num_rows,
+        static.num_layers,
+        static.top_k,
+        static.hash_block,
+        static.num_slots,
+        static.rows_layout,
     )
