@@ -249,13 +249,7 @@ class RequestBook:
         """Check the batch's device inputs (``query_start_loc`` ``[>= R+1]``, ``positions``
         ``[>= num_rows]``, 1-D, on the device), give the step's requests the slots they need
         and launch the kernel. A refused input changes nothing."""
-        table = self.table
-        # The device ring mirrors the host ring; both are replaced when the table grows, and
-        # the kernel's destination when the store grows.
-        attached = (table.capacity, self.store.arena_version)
-        if attached != self._attached:
-            device_side.attach(table.ring, self._arena_blocks())
-            self._attached = attached
+        self._attach(device_side)
         num_rows = int(layout.query_start_loc[-1])
         query_start_loc = positions = shape = None
         if layout.request_ids:
@@ -271,9 +265,11 @@ class RequestBook:
                 )
             except GatherPackArgumentError as exc:
                 raise input_batch_error(exc) from None
+        ring_updates = self._take_slots(layout)
+        self._attach(device_side)  # the store may have grown for these slots
         launched = device_side.launch(
             table_row=layout.rows,
-            ring_updates=self._take_slots(layout),
+            ring_updates=ring_updates,
             shape=shape,
             query_start_loc=query_start_loc,
             positions=positions,
@@ -282,6 +278,25 @@ class RequestBook:
         )
         self._in_flight.append(layout)
         return launched
+
+    def _attach(self, device_side: DeviceSide) -> None:
+        """Keep the device ring a mirror of the host ring (both are replaced when the table
+        grows) and the kernel's destination the store's arena (replaced when it grows)."""
+        attached = (self.table.capacity, self.store.arena_version)
+        if attached != self._attached:
+            device_side.attach(self.table.ring, self._arena_blocks())
+            self._attached = attached
+
+    def _allocate(self, n: int) -> np.ndarray:
+        """``n`` unbound slots (int64). ``max_num_seqs`` bounds the requests of a step, not
+        those holding slots: preempted requests keep their open block and lookahead while
+        others run, so when the reserve runs short it grows (at least doubles) rather than
+        failing the launch."""
+        store = self.store
+        short = store.num_unbound + n - store.reserve_slots
+        if short > 0:
+            store.grow_reserve(max(short, store.reserve_slots))
+        return store.allocate(n)
 
     def _rows_in_flight(self) -> np.ndarray:
         """Table rows of every request with a step in flight (int64, with repeats)."""
@@ -304,7 +319,7 @@ class RequestBook:
             layout.rows[grow],
             layout.token_starts[grow] // B,
             lasts[grow] + self._lookahead,
-            self.store.allocate,
+            self._allocate,
         )
 
     def _arena_blocks(self) -> torch.Tensor:

@@ -16,7 +16,9 @@ Lifecycle of a block::
     allocate -> write -> bind -> retain/release -> evict
 
 - ``allocate(n)`` hands out ``n`` unbound slots from the producer reserve (``reserve_slots``).
-  Unbound slots belong to the producer: never evicted, never handed out twice.
+  Unbound slots belong to the producer: never evicted, never handed out twice. A producer
+  that needs more than the reserve holds calls ``grow_reserve(extra)`` first (the arena grows
+  as it does for keys, below).
 - *write*: the producer fills ``arena_np[slot]`` in place (the capture kernel writes there
   directly). ``put``/``put_array`` fold allocate + write + bind into one call for callers that
   already hold the bytes.
@@ -379,6 +381,24 @@ class BlockStore:
             self._grow(max(ledger.num_stored, 2 * self.num_slots))
         return admitted
 
+    def grow_reserve(self, extra: int) -> None:
+        """Add ``extra`` slots to the producer reserve, for a producer whose unbound slots
+        outgrew the reserve it was sized with. The arena grows like it does for keys: a
+        warning is logged, ``on_grow()`` is called before the old arena is copied, and
+        ``arena``/``arena_np`` are replaced (``arena_version`` increments)."""
+        self._check_open()
+        extra = _check_int("extra", extra)
+        if extra <= 0:
+            raise ValueError(f"extra must be > 0, got {extra}")
+        logger.warning(
+            "auxiliary output store reserve grows from %d to %d slots (%d bytes): the "
+            "producer holds more unbound slots than it was sized for",
+            self.reserve_slots,
+            self.reserve_slots + extra,
+            (self.reserve_slots + extra) * self.object_nbytes,
+        )
+        self._replace_arena(self.num_slots, self.reserve_slots + extra)
+
     def _grow(self, num_slots: int) -> None:
         logger.warning(
             "auxiliary output store grows from %d to %d objects (%d bytes): every object is "
@@ -388,19 +408,23 @@ class BlockStore:
             num_slots * self.object_nbytes,
         )
         try:
-            if self._on_grow is not None:
-                self._on_grow()
-            arena = _new_arena(num_slots + self.reserve_slots, self.object_nbytes, self._pin_memory)
-            arena[: self.num_slots + self.reserve_slots].copy_(self._arena)
+            self._replace_arena(num_slots, self.reserve_slots)
         except BaseException:
             # The bookkeeping already counts the new keys; without room for them the store
             # would hand out wrong bytes, so it fails closed.
             self.close()
             raise
-        self._arena, self._arena_np = arena, arena.numpy()
-        self.num_slots = num_slots
         self._ledger.num_slots = num_slots
-        self._pool.grow(num_slots + self.reserve_slots)
+
+    def _replace_arena(self, num_slots: int, reserve_slots: int) -> None:
+        """A larger arena of ``num_slots + reserve_slots`` slots, every slot's bytes kept."""
+        if self._on_grow is not None:
+            self._on_grow()
+        arena = _new_arena(num_slots + reserve_slots, self.object_nbytes, self._pin_memory)
+        arena[: self.num_slots + self.reserve_slots].copy_(self._arena)
+        self._arena, self._arena_np = arena, arena.numpy()
+        self.num_slots, self.reserve_slots = num_slots, reserve_slots
+        self._pool.grow(num_slots + reserve_slots)
         self.arena_version += 1
 
 

@@ -462,3 +462,27 @@ def test_async_decode_changes_only_the_ring_entries_of_requests_past_their_slots
         assert outputs[name][0].token_start == length
         assert np.array_equal(rows, routes(seed, length, steps).astype(np.uint8))
     worker.close()
+
+
+def test_requests_waiting_outside_the_batch_grow_the_slot_reserve_instead_of_failing():
+    """max_num_seqs bounds the requests of one step, not those holding slots: preempted
+    requests keep their unbound blocks (open block and lookahead) while others run. When the
+    reserve runs out, the store grows (waiting for device writes first) instead of failing
+    the launch, and every request's rows still come back right."""
+    worker = make_worker(max_num_seqs=2)
+    reserve = worker.store.reserve_slots
+    names = [f"w{i}" for i in range(8)]
+    for i in range(0, len(names), 2):
+        pair = names[i : i + 2]
+        out = run_step(worker, meta({n: 0 for n in pair}), [(n, i + j, 0, 3) for j, n in
+                                                           enumerate(pair)])  # fmt: skip
+        for j, name in enumerate(pair):
+            assert np.array_equal(out[name].rows, routes(i + j, 0, 3).astype(np.uint8))
+    # Eight requests, each holding its open block and lookahead: more than the first reserve.
+    assert worker.store.num_unbound > reserve
+    assert worker.store.reserve_slots >= worker.store.num_unbound
+    for seed, name in enumerate(names):
+        out = run_step(worker, meta({name: 3}), [(name, seed, 3, 1)])
+        assert out[name].token_start == 3
+        assert np.array_equal(out[name].rows, routes(seed, 3, 1).astype(np.uint8))
+    worker.close()

@@ -517,6 +517,31 @@ def test_bind_growth_calls_on_grow_and_keeps_all_bytes():
     assert store.get_concatenated(Ks("d")) == blk("d") and store.num_unbound == 0
 
 
+def test_reserve_growth_calls_on_grow_and_keeps_every_slot():
+    events = []
+    store = make(capacity=2, reserve=2, on_grow=lambda: events.append(store.arena_version))
+    put(store, "ab")
+    slots = store.allocate(2)
+    store.arena_np[slots] = np.frombuffer(blk("c") + blk("d"), np.uint8).reshape(2, NB)
+    with pytest.raises(RuntimeError, match="reserve of reserve_slots=2 slots is exhausted"):
+        store.allocate(1)
+    for bad, error in ((0, ValueError), (-1, ValueError), (1.0, TypeError), (True, TypeError)):
+        with pytest.raises(error, match="extra"):
+            store.grow_reserve(bad)
+    assert events == [] and store.arena_version == 0  # refused calls changed nothing
+    store.grow_reserve(3)
+    assert events == [0] and store.arena_version == 1
+    assert store.reserve_slots == 5 and store.num_slots == 2
+    assert tuple(store.arena.shape) == (2 + 5, NB)
+    # Bound and unbound bytes survived the copy; the new room is handed out, eviction is not.
+    assert store.get_concatenated(Ks("ab")) == blk("a") + blk("b")
+    assert store.arena_np[slots].tobytes() == blk("c") + blk("d")
+    more = store.allocate(3)
+    assert len(set(more.tolist()) | set(slots.tolist())) == 5
+    store.bind(Ks("cd"), slots)
+    assert store.eviction_order()[-2:] == Ks("cd") and len(store) == 2
+
+
 def test_failed_growth_fails_closed():
     def refuse():
         raise MemoryError("no room")
