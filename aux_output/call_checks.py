@@ -136,6 +136,45 @@ def check_host_counts(name: str, counts: Any, num_reqs: int) -> None:
         )
 
 
+def checked_batch_arrays(
+    input_batch: Any, max_num_seqs: int, max_num_batched_tokens: int
+) -> tuple[list[str], np.ndarray, np.ndarray]:
+    """``input_batch``'s request ids (a list it owns), scheduler starts (``[R]``) and
+    ``query_start_loc`` (``[R + 1]``; ``[0]`` for an empty step), after checking they agree
+    and fit the worker's limits. The arrays are views: Model Runner V2 makes them anew for
+    every step."""
+    request_ids = list(input_batch.req_ids)
+    num_reqs = len(request_ids)
+    if num_reqs > max_num_seqs:
+        raise ValueError(
+            f"input_batch has {num_reqs} requests, more than max_num_seqs ({max_num_seqs})"
+        )
+    qsl = np.asarray(input_batch.query_start_loc_np)[: num_reqs + 1]
+    starts = np.asarray(input_batch.num_computed_tokens_np)[:num_reqs]
+    if num_reqs and (len(qsl) != num_reqs + 1 or qsl.dtype.kind not in "iu"):
+        raise ValueError(
+            f"input_batch.query_start_loc_np must be integers with >= {num_reqs + 1} "
+            f"entries for its {num_reqs} requests; got {qsl.dtype} [{len(qsl)}]"
+        )
+    if len(starts) != num_reqs:
+        raise ValueError(
+            f"input_batch.num_computed_tokens_np must have >= {num_reqs} entries; got {len(starts)}"
+        )
+    if num_reqs == 0:
+        return request_ids, starts, _EMPTY_QSL
+    num_rows = int(qsl[-1])
+    if num_rows > max_num_batched_tokens:
+        raise ValueError(
+            f"input_batch has {num_rows} rows, more than max_num_batched_tokens "
+            f"({max_num_batched_tokens})"
+        )
+    return request_ids, starts, qsl
+
+
+_EMPTY_QSL = np.zeros(1, np.int64)
+_EMPTY_QSL.flags.writeable = False
+
+
 # The input_batch field behind each kernel argument the worker takes from the batch; the
 # batch's request count is num_reqs, so too many of them means query_start_loc is short.
 _BATCH_FIELD_OF = {

@@ -17,21 +17,17 @@ import numpy as np
 import torch
 
 from r3capture.aux_output import envs
-from r3capture.aux_output.call_checks import input_batch_error
+from r3capture.aux_output.call_checks import checked_batch_arrays, input_batch_error
 from r3capture.aux_output.device_side import DeviceSide, LaunchedStep
 from r3capture.aux_output.errors import require
+from r3capture.aux_output.key_work import KeyWorkQueue, StepKeyWork
 from r3capture.aux_output.output_pool import OutputPool
-from r3capture.aux_output.publisher import NO_KEYS, Publisher
+from r3capture.aux_output.publisher import Publisher
 from r3capture.aux_output.request_table import RequestTable
 from r3capture.aux_output.row_reader import RowReader
 from r3capture.aux_output.sizing import WorkerSizing, require_int
 from r3capture.aux_output.step_commit import StepLayout, commit_step
-from r3capture.aux_output.types import (
-    AuxOutputConnectorMetadata,
-    AuxRequestOutput,
-    key_rows_of,
-    key_rows_of_requests,
-)
+from r3capture.aux_output.types import AuxOutputConnectorMetadata, AuxRequestOutput
 from r3capture.kernels import GatherPackArgumentError
 from r3capture.store import BlockStore
 
@@ -83,6 +79,7 @@ class RequestBook:
             output_pool_bytes = envs.output_pool_bytes()
         output_pool_bytes = require_int("output_pool_bytes", output_pool_bytes, minimum=0)
         self._publisher = Publisher(self.store, self.table, B)
+        self._key_work = KeyWorkQueue(self.table, self._publisher)
         self._reader = RowReader(
             self.store,
             self.table,
@@ -96,8 +93,6 @@ class RequestBook:
         # waits for them.
         self._in_flight: list[StepLayout] = []
         self._deferred = 0
-        # Key work of steps begun and not yet applied (``begin``), oldest first.
-        self._key_work: list[_KeyWork] = []
 
     def make_device_side(self, capture_buffer: torch.Tensor, kernel_impl: str) -> DeviceSide:
         """The device half, sized from this book (one per worker)."""
@@ -126,11 +121,11 @@ class RequestBook:
         """
         table = self.table
         # Pins named by the scheduler belong to the namespace it had before any bump.
-        work = _KeyWork(
+        work = StepKeyWork(
             metadata.retained_block_hashes, metadata.released_block_hashes, self.generation
         )
         if metadata.generation > self.generation:
-            self._apply_key_work()
+            self._key_work.apply_all()
             work.releases.append(table.release_order(table.live_rows().tolist()))
             self._publisher.free(table.clear())
             self.generation = metadata.generation
@@ -156,35 +151,10 @@ class RequestBook:
                     work.finishing.append(request_id)
         if work.finishing or work.releases:
             # Teardown and reset need every key now (and free slots the next launch may use).
-            self._apply_key_work()
-            self._apply(work)
+            self._key_work.apply_all()
+            self._key_work.apply(work)
         elif work.rows or work.pins_retained or work.pins_released:
-            self._key_work.append(work)
-
-    def _apply_key_work(self) -> None:
-        """Apply the key work of every step begun since the last call, in order."""
-        queued, self._key_work = self._key_work, []
-        for work in queued:
-            self._apply(work)
-
-    def _apply(self, work: _KeyWork) -> None:
-        """One step's key work: its new keys join their requests, and one store call is
-        queued: bind the blocks now complete and keyed, retain the pins and the new keys,
-        release the released pins, the reset's keys and the finished requests' keys."""
-        table = self.table
-        retains = [key_rows_of(work.pins_retained, work.pin_generation)]
-        releases = [key_rows_of(work.pins_released, work.pin_generation), *work.releases]
-        if work.rows:
-            keys, counts = key_rows_of_requests(work.hashes, work.generation)
-            table.add_keys(work.rows, keys, counts)
-            retains.append(keys)
-        if work.finishing:
-            releases.append(table.release_order([table.index[r] for r in work.finishing]))
-        self._publisher.publish(
-            np.asarray(work.rows, np.int64), _joined(retains), _joined(releases)
-        )
-        if work.finishing:
-            self._publisher.free(table.remove(work.finishing))
+            self._key_work.record(work)
 
     def _rows_adding(self, requests: dict[str, int]) -> np.ndarray:
         """Table rows (int64 ``[R]``) of the scheduled requests; new ones are added with
@@ -202,37 +172,12 @@ class RequestBook:
     # ------------------------------------------------------------------ prepare_output
     def layout_of(self, input_batch: Any) -> StepLayout:
         """The step's request ids, table rows, scheduler starts and query_start_loc."""
-        request_ids = list(input_batch.req_ids)
-        num_reqs = len(request_ids)
-        if num_reqs > self.sizing.max_num_seqs:
-            raise ValueError(
-                f"input_batch has {num_reqs} requests, more than max_num_seqs "
-                f"({self.sizing.max_num_seqs})"
-            )
-        # Views: Model Runner V2 makes these arrays anew for every step.
-        qsl = np.asarray(input_batch.query_start_loc_np)[: num_reqs + 1]
-        starts = np.asarray(input_batch.num_computed_tokens_np)[:num_reqs]
-        if num_reqs and (len(qsl) != num_reqs + 1 or qsl.dtype.kind not in "iu"):
-            raise ValueError(
-                f"input_batch.query_start_loc_np must be integers with >= {num_reqs + 1} "
-                f"entries for its {num_reqs} requests; got {qsl.dtype} [{len(qsl)}]"
-            )
-        if len(starts) != num_reqs:
-            raise ValueError(
-                f"input_batch.num_computed_tokens_np must have >= {num_reqs} entries; got "
-                f"{len(starts)}"
-            )
-        num_rows = int(qsl[-1]) if num_reqs else 0
-        if num_rows > self.sizing.max_num_batched_tokens:
-            raise ValueError(
-                f"input_batch has {num_rows} rows, more than max_num_batched_tokens "
-                f"({self.sizing.max_num_batched_tokens})"
-            )
-        if num_reqs == 0:
-            qsl = np.zeros(1, np.int64)
+        request_ids, starts, qsl = checked_batch_arrays(
+            input_batch, self.sizing.max_num_seqs, self.sizing.max_num_batched_tokens
+        )
         rows = self.table.rows(request_ids, cache="batch")
         if rows is not self._checked_rows:
-            if len(set(request_ids)) != num_reqs:
+            if len(set(request_ids)) != len(request_ids):
                 raise ValueError(f"input_batch.req_ids names a request twice: {request_ids}")
             self._checked_rows = rows
         return StepLayout(request_ids, rows, starts, qsl)
@@ -338,7 +283,7 @@ class RequestBook:
         num_rejected: np.ndarray,
     ) -> dict[str, AuxRequestOutput]:
         """Check the step, return its outputs, publish its blocks, read prefix hits."""
-        self._apply_key_work()
+        self._key_work.apply_all()
         if not len(layout.rows):
             self._publisher.flush()
             return {}
@@ -378,44 +323,3 @@ class RequestBook:
 
     def close(self) -> None:
         self.store.close()
-
-
-def _joined(parts: list[np.ndarray]) -> np.ndarray:
-    parts = [p for p in parts if len(p)]
-    if not parts:
-        return NO_KEYS
-    return parts[0] if len(parts) == 1 else np.concatenate(parts)
-
-
-class _KeyWork:
-    """One step's key work, recorded by ``begin`` and applied in order by ``_apply``:
-    ``hashes[i]`` (packed block hashes) of table row ``rows[i]`` in ``generation``; the
-    scheduler's pins (packed) in ``pin_generation``; ``releases``: key rows released at
-    once (a reset's); ``finishing``: requests to tear down."""
-
-    __slots__ = (
-        "pins_retained",
-        "pins_released",
-        "pin_generation",
-        "rows",
-        "hashes",
-        "generation",
-        "releases",
-        "finishing",
-    )
-
-    def __init__(self, pins_retained: Any, pins_released: Any, pin_generation: int) -> None:
-        self.pins_retained = pins_retained if _has_hashes(pins_retained) else None
-        self.pins_released = pins_released if _has_hashes(pins_released) else None
-        self.pin_generation = pin_generation
-        self.rows: list[int] = []
-        self.hashes: list[Any] = []
-        self.generation = pin_generation
-        self.releases: list[np.ndarray] = []
-        self.finishing: list[str] = []
-
-
-def _has_hashes(packed: Any) -> bool:
-    """Whether packed block hashes (or None) hold any hash; their ``data`` is immutable
-    bytes, so recording the object keeps the hashes as the scheduler sent them."""
-    return packed is not None and len(packed.data) > 0

@@ -61,13 +61,13 @@ from typing import Any
 import numpy as np
 import torch
 
+from r3capture.store.arena import Arena
 from r3capture.store.keys import KEY_WORDS, as_key_rows, key_rows_from_strings, key_string
 from r3capture.store.ledger import Admission, Ledger
 from r3capture.store.slot_pool import SlotPool
 
 logger = logging.getLogger(__name__)
 
-_pin_noop_logged = False
 _UINT8 = np.dtype(np.uint8)
 _NO_KEYS = np.zeros((0, KEY_WORDS), dtype=np.uint64)
 
@@ -76,10 +76,6 @@ Keys = np.ndarray | Iterable[str]
 
 class BlockObjectStoreError(RuntimeError):
     """A requested block is not in the store (it was evicted or never published)."""
-
-
-def _new_arena(num_slots: int, object_nbytes: int, pin_memory: bool) -> torch.Tensor:
-    return torch.empty((num_slots, object_nbytes), dtype=torch.uint8, pin_memory=pin_memory)
 
 
 def _check_int(name: str, value: object) -> int:
@@ -131,21 +127,13 @@ class BlockStore:
             )
         if reserve_slots < 0:
             raise ValueError(f"reserve_slots must be >= 0, got {reserve_slots}")
-        if pin_memory and not torch.cuda.is_available():
-            global _pin_noop_logged
-            if not _pin_noop_logged:
-                _pin_noop_logged = True
-                logger.info("pin_memory requested but CUDA is not available: arena is not pinned")
-            pin_memory = False
         self.object_nbytes = object_nbytes
         self.num_slots = max_bytes // object_nbytes
         self.reserve_slots = reserve_slots
-        self._pin_memory = pin_memory
-        self._on_grow = on_grow
         physical = self.num_slots + reserve_slots
-        self._arena: torch.Tensor | None = _new_arena(physical, object_nbytes, pin_memory)
-        self._arena_np: np.ndarray | None = self._arena.numpy()
-        self.arena_version = 0
+        self._space: Arena | None = Arena(
+            physical, object_nbytes, pin_memory=pin_memory, on_grow=on_grow
+        )
         self._pool = SlotPool(physical)
         self._ledger = Ledger(self.num_slots, self._pool)
 
@@ -202,7 +190,7 @@ class BlockStore:
         blocks = None if out is None else as_blocks(out, len(rows), self.object_nbytes, name="out")
         slots = self._slots_of(rows, touch=True)
         if blocks is None:
-            return self._arena_np[slots]
+            return self._space.np[slots]
         self.gather_into(slots, blocks)
         return blocks
 
@@ -212,11 +200,13 @@ class BlockStore:
         self._check_open()
         if len(slots) < 16:
             # Few blocks: numpy's fancy indexing has the smaller fixed cost.
-            out[...] = self._arena_np[slots]
+            out[...] = self._space.np[slots]
             return
         # torch's row gather copies each slot with one memcpy; np.take(axis=0, out=) goes
         # element-wise through a buffered iterator and is ~4x slower for 6 KiB rows.
-        torch.index_select(self._arena, 0, torch.from_numpy(slots), out=torch.from_numpy(out))
+        torch.index_select(
+            self._space.tensor, 0, torch.from_numpy(slots), out=torch.from_numpy(out)
+        )
 
     def lookup_slots(self, keys: Keys, *, held: bool = False) -> np.ndarray:
         """Slots of ``keys`` as ``int64 [len(keys)]``; refreshes their recency like a read.
@@ -286,12 +276,17 @@ class BlockStore:
     @property
     def arena(self) -> torch.Tensor:
         self._check_open()
-        return self._arena
+        return self._space.tensor
 
     @property
     def arena_np(self) -> np.ndarray:
         self._check_open()
-        return self._arena_np
+        return self._space.np
+
+    @property
+    def arena_version(self) -> int:
+        """Incremented every time ``arena`` is replaced."""
+        return self._space.version
 
     @property
     def num_unbound(self) -> int:
@@ -334,15 +329,14 @@ class BlockStore:
 
     def close(self) -> None:
         """Release the arena. Idempotent; every later call raises ``RuntimeError``."""
-        if self._arena is None:
+        if self._space is None:
             return
-        self._arena = None
-        self._arena_np = None
+        self._space = None
         self._ledger = None
         self._pool = None
 
     def _check_open(self) -> None:
-        if self._arena is None:
+        if self._space is None:
             raise RuntimeError("auxiliary output store is closed")
 
     def _slots_of(self, rows: np.ndarray, *, touch: bool) -> np.ndarray:
@@ -366,9 +360,9 @@ class BlockStore:
         self._ledger.assign(admitted.keys, slots)
         first = slots[0]
         if slots[-1] - first == m - 1 and slots == list(range(first, first + m)):
-            self._arena_np[first : first + m] = blocks
+            self._space.np[first : first + m] = blocks
         else:
-            self._arena_np[np.array(slots, dtype=np.int64)] = blocks
+            self._space.np[np.array(slots, dtype=np.int64)] = blocks
 
     def _admit(self, rows: np.ndarray, retain_keys: Keys, release_keys: Keys) -> Admission:
         """The ledger's admission of one publication, after which the arena has room for
@@ -418,14 +412,9 @@ class BlockStore:
 
     def _replace_arena(self, num_slots: int, reserve_slots: int) -> None:
         """A larger arena of ``num_slots + reserve_slots`` slots, every slot's bytes kept."""
-        if self._on_grow is not None:
-            self._on_grow()
-        arena = _new_arena(num_slots + reserve_slots, self.object_nbytes, self._pin_memory)
-        arena[: self.num_slots + self.reserve_slots].copy_(self._arena)
-        self._arena, self._arena_np = arena, arena.numpy()
+        self._space.grow(num_slots + reserve_slots)
         self.num_slots, self.reserve_slots = num_slots, reserve_slots
         self._pool.grow(num_slots + reserve_slots)
-        self.arena_version += 1
 
 
 def key_row(key: object) -> np.ndarray:

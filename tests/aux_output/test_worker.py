@@ -261,7 +261,8 @@ def test_warmup_and_non_output_ranks_skip_the_data_plane():
 def test_store_growth_waits_for_device_writes_first():
     worker = make_worker(max_bytes=B * ROW_BYTES)
     calls = []
-    worker.store._on_grow = lambda: calls.append(len(worker.store))
+    # The store's on_grow is the worker's wait for its device writes.
+    worker.device_side.wait_idle = lambda: calls.append(len(worker.store))
     # Request a holds references to three keyed blocks: the one-object store must grow.
     out = run_step(worker, meta({"a": 0}, {"a": hashes(1, range(3))}), [("a", 1, 0, 12)])
     assert calls, "the store grew without waiting for in-flight device writes"

@@ -8,6 +8,7 @@ import re
 import numpy as np
 import pytest
 
+import r3capture.store.arena as arena_module
 import r3capture.store.block_store as block_store
 from r3capture.store import BlockObjectStoreError, BlockStore, key_rows_from_strings
 
@@ -555,9 +556,9 @@ def test_failed_growth_fails_closed():
 
 
 def test_pin_memory_without_cuda_is_a_logged_no_op(monkeypatch, caplog):
-    monkeypatch.setattr(block_store.torch.cuda, "is_available", lambda: False)
-    monkeypatch.setattr(block_store, "_pin_noop_logged", False)
-    with caplog.at_level(logging.INFO, logger=block_store.__name__):
+    monkeypatch.setattr(arena_module.torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(arena_module, "_pin_noop_logged", False)
+    with caplog.at_level(logging.INFO, logger=arena_module.__name__):
         first = make(pin_memory=True)
         make(pin_memory=True)
     assert not first.arena.is_pinned()

@@ -1,0 +1,99 @@
+"""A step's key work, off the thread that launches the forward.
+
+What ``begin_step`` learns about keys (new block hashes of running requests, the scheduler's
+pins) is needed by nothing the next launch does: only publication, prefix-cache reads and
+teardown use keys, and those run in ``process_output``. So ``RequestBook.begin`` records it
+(``StepKeyWork``) and ``KeyWorkQueue`` applies it, in step order, first thing in the next
+commit on the output thread, or at once when a teardown or a prefix-cache reset needs every
+key. Applying a step's work makes the same store call ``begin_step`` would have made, so the
+store sees vLLM 0.33.0's sequence of calls.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from r3capture.aux_output.publisher import NO_KEYS, Publisher
+from r3capture.aux_output.request_table import RequestTable
+from r3capture.aux_output.types import key_rows_of, key_rows_of_requests
+
+
+class StepKeyWork:
+    """One step's key work: ``hashes[i]`` (packed block hashes) of table row ``rows[i]`` in
+    ``generation``; the scheduler's pins (packed, or None) in ``pin_generation``;
+    ``releases``: key rows released at once (a reset's); ``finishing``: requests to tear
+    down. Packed hashes hold immutable bytes, so keeping the objects keeps the hashes as the
+    scheduler sent them."""
+
+    __slots__ = (
+        "pins_retained",
+        "pins_released",
+        "pin_generation",
+        "rows",
+        "hashes",
+        "generation",
+        "releases",
+        "finishing",
+    )
+
+    def __init__(self, pins_retained: Any, pins_released: Any, pin_generation: int) -> None:
+        self.pins_retained = pins_retained if _has_hashes(pins_retained) else None
+        self.pins_released = pins_released if _has_hashes(pins_released) else None
+        self.pin_generation = pin_generation
+        self.rows: list[int] = []
+        self.hashes: list[Any] = []
+        self.generation = pin_generation
+        self.releases: list[np.ndarray] = []
+        self.finishing: list[str] = []
+
+
+class KeyWorkQueue:
+    """Recorded ``StepKeyWork``, applied in order to the request table and the publisher."""
+
+    def __init__(self, table: RequestTable, publisher: Publisher) -> None:
+        self._table = table
+        self._publisher = publisher
+        self._queued: list[StepKeyWork] = []
+
+    def record(self, work: StepKeyWork) -> None:
+        self._queued.append(work)
+
+    def apply_all(self) -> None:
+        """Apply the work of every step recorded since the last call, oldest first."""
+        queued, self._queued = self._queued, []
+        for work in queued:
+            self.apply(work)
+
+    def apply(self, work: StepKeyWork) -> None:
+        """One step's work: its new keys join their requests, and one store call is queued:
+        bind the blocks now complete and keyed, retain the pins and the new keys, release
+        the released pins, the reset's keys and the finished requests' keys; then the
+        finished requests are torn down."""
+        table = self._table
+        retains = [key_rows_of(work.pins_retained, work.pin_generation)]
+        releases = [key_rows_of(work.pins_released, work.pin_generation), *work.releases]
+        if work.rows:
+            keys, counts = key_rows_of_requests(work.hashes, work.generation)
+            table.add_keys(work.rows, keys, counts)
+            retains.append(keys)
+        if work.finishing:
+            releases.append(table.release_order([table.index[r] for r in work.finishing]))
+        self._publisher.publish(
+            np.asarray(work.rows, np.int64), _joined(retains), _joined(releases)
+        )
+        if work.finishing:
+            self._publisher.free(table.remove(work.finishing))
+
+
+def _has_hashes(packed: Any) -> bool:
+    """Whether packed block hashes (or None) hold any hash."""
+    return packed is not None and len(packed.data) > 0
+
+
+def _joined(parts: list[np.ndarray]) -> np.ndarray:
+    parts = [p for p in parts if len(p)]
+    if not parts:
+        return NO_KEYS
+    return parts[0] if len(parts) == 1 else np.concatenate(parts)

@@ -1,0 +1,59 @@
+"""The store's bytes: one arena of fixed-size slots in host memory, replaced when it grows."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+_pin_noop_logged = False
+
+
+class Arena:
+    """``uint8 [physical, object_nbytes]`` slots in (optionally page-locked) host memory.
+
+    ``tensor`` and its numpy view ``np`` are replaced by ``grow``, which bumps ``version``;
+    ``on_grow()`` runs before the old arena is copied (e.g. to wait for device writes into it).
+    ``pin_memory`` without CUDA is a no-op, logged once.
+    """
+
+    def __init__(
+        self,
+        physical: int,
+        object_nbytes: int,
+        *,
+        pin_memory: bool,
+        on_grow: Callable[[], None] | None,
+    ) -> None:
+        if pin_memory and not torch.cuda.is_available():
+            global _pin_noop_logged
+            if not _pin_noop_logged:
+                _pin_noop_logged = True
+                logger.info("pin_memory requested but CUDA is not available: arena is not pinned")
+            pin_memory = False
+        self.object_nbytes = object_nbytes
+        self._pin_memory = pin_memory
+        self._on_grow = on_grow
+        self.tensor = self._new(physical)
+        self.np = self.tensor.numpy()
+        self.version = 0
+
+    @property
+    def physical(self) -> int:
+        return self.tensor.shape[0]
+
+    def grow(self, physical: int) -> None:
+        """Copy every slot into a new arena of ``physical`` (more) slots."""
+        if self._on_grow is not None:
+            self._on_grow()
+        tensor = self._new(physical)
+        tensor[: self.physical].copy_(self.tensor)
+        self.tensor, self.np = tensor, tensor.numpy()
+        self.version += 1
+
+    def _new(self, physical: int) -> torch.Tensor:
+        shape = (physical, self.object_nbytes)
+        return torch.empty(shape, dtype=torch.uint8, pin_memory=self._pin_memory)
