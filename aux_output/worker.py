@@ -2,16 +2,19 @@
 
 Per step (same call order and threads as vLLM's ``AuxOutputWorkerConnector``):
 
-1. ``begin_step(metadata)`` (main thread): new requests get table rows, new block hashes
-   become store keys and are retained, the scheduler's pins are applied, blocks whose key just
-   arrived are bound, finished requests are torn down (``RequestBook.begin``).
-2. ``prepare_output(input_batch)`` (main thread): requests that enter a new hash block get
-   slots, and only those ring entries change; one kernel launch writes every accepted row
-   into its slot (``RequestBook.plan`` + ``DeviceSide.launch``).
+1. ``begin_step(metadata)`` (main thread): the metadata is checked, new requests get table
+   rows, finished requests with no step in flight are torn down; the step's key work (new
+   block hashes, the scheduler's pins, their store call) is recorded for the output thread
+   (``RequestBook.begin``, ``key_work.py``).
+2. ``prepare_output(input_batch)`` (main thread): the batch's device inputs are checked,
+   requests that enter a new hash block get slots (128 tokens ahead), and only those ring
+   entries change; one kernel launch writes every accepted row into its slot
+   (``RequestBook.launch`` + ``DeviceSide.launch``).
 3. ``PendingStep.enqueue_cpu_copy`` (copy stream): the kernel's per-request results (and, in
    the staging destination, the step's rows) are copied back.
-4. ``PendingStep.process_output()`` (output thread, after the step's event): the commit checks
-   the step as vLLM does and moves the cursors, emitted rows are copied out with one gather,
+4. ``PendingStep.process_output()`` (output thread, after the step's event): the recorded key
+   work is applied, the commit checks the step as vLLM does and moves the cursors, emitted
+   rows are copied out with one gather,
    complete keyed blocks are bound (no payload copy), prefix-cache hits are read back from
    the store, and deferred teardown happens (``RequestBook.commit``).
 
