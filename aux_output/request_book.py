@@ -32,7 +32,7 @@ from r3capture.kernels import GatherPackArgumentError
 from r3capture.store import BlockStore
 
 # How far past its scheduled rows a request's slots reach when it takes new ones.
-LOOKAHEAD_TOKENS = 128
+LOOKAHEAD_TOKENS = 256
 
 
 class RequestBook:
