@@ -8,9 +8,10 @@ released ones, as vLLM's store applies them), so the store sees exactly vLLM's s
 updates.
 
 ``publish`` decides on the spot which blocks leave the request table, but only queues the
-store call; ``flush`` applies the queued calls in order. ``begin_step`` publishes on the
-thread that launches the forward and the store work waits for the output thread, as vLLM's
-store work waits for its writer thread; whoever reads the store flushes first.
+store call; ``flush`` applies the queued calls in order, on the output thread (a step's key
+work publishes there too, ``key_work.py``; only a teardown or reset in ``begin_step``
+publishes on the main thread), as vLLM's store work waits for its writer thread; whoever
+reads the store flushes first.
 """
 
 from __future__ import annotations

@@ -1,11 +1,13 @@
 """Request and block bookkeeping of the worker's data plane (numpy and the store; no locks).
 
-``RequestBook`` applies the scheduler's metadata (rows for new requests, keys for new block
-hashes, pins, teardown), plans each step's slots (only requests that enter a new hash block
-get one; everything else is already in the device slot ring), and commits processed steps
-(checks, cursors, emitted rows, publication, prefix-cache hits, deferred teardown). The
-worker serializes every call under its lock, in vLLM's call order. Store calls that
-``begin_step`` makes are queued and applied by the next ``process_output`` (``Publisher``).
+``RequestBook`` applies the scheduler's metadata (rows for new requests, teardown; the
+step's key work of new block hashes and pins is recorded for the output thread,
+``key_work.py``), plans each step's slots (only requests that enter a new hash block get
+them, ``LOOKAHEAD_TOKENS`` ahead; everything else is already in the device slot ring), and
+commits processed steps (recorded key work, checks, cursors, emitted rows, publication,
+prefix-cache hits, deferred teardown). The worker serializes every call under its lock, in
+vLLM's call order; store calls are queued and applied in order by ``process_output``
+(``Publisher``).
 """
 
 from __future__ import annotations
