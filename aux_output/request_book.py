@@ -213,7 +213,8 @@ class RequestBook:
             except GatherPackArgumentError as exc:
                 raise input_batch_error(exc) from None
         ring_updates = self._take_slots(layout)
-        self._attach(device_side)  # the store may have grown for these slots
+        if ring_updates is not None:
+            self._attach(device_side)  # taking slots may have grown the store
         launched = device_side.launch(
             table_row=layout.rows,
             ring_updates=ring_updates,
