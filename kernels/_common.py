@@ -168,6 +168,7 @@ class StaticArgs:
     # Per-request buffers by name and length (a step's num_reqs may not pass them).
     request_lengths: tuple[tuple[str, int], ...]
     device: torch.device
+    max_requests: int  # the most requests one step may name: the shortest of request_lengths
 
 
 def check_static_args(
@@ -230,6 +231,7 @@ def check_static_args(
         dest_rows=dest.shape[0],
         request_lengths=(("table_row", table_row.shape[0]), ("step_info", step_info.shape[0])),
         device=capture.device,
+        max_requests=min(table_row.shape[0], step_info.shape[0]),
     )
 
 
@@ -244,40 +246,52 @@ def check_step_args(
     num_rows: int | None,
 ) -> GatherPackShape:
     """Validate one step's arguments against the static ones; ``num_reqs`` None means every
-    entry of ``query_start_loc`` and ``num_rows`` None every capture row."""
-    device = static.device
-    _check_tensor("query_start_loc", query_start_loc, 1, INDEX_DTYPES)
-    max_reqs = query_start_loc.shape[0] - 1
-    if max_reqs < 0:
-        raise _fail("query_start_loc", "of length R+1 >= 1", query_start_loc)
-    if query_start_loc.device != device:
-        raise _fail("query_start_loc", f"on the capture's device ({device})", query_start_loc)
-    if num_reqs is None:
-        num_reqs = max_reqs
-    if not _is_count(num_reqs, max_reqs):
-        raise _fail("num_reqs", f"an int in [0, {max_reqs}] (len(query_start_loc) - 1)", num_reqs)
-    for name, length in static.request_lengths:
-        if length < num_reqs:
-            layout = "[R, 3] with R" if name == "step_info" else "of length"
-            raise _fail(name, f"{layout} >= num_reqs ({num_reqs})", f"{length} entries")
+    entry of ``query_start_loc`` and ``num_rows`` None every capture row.
+
+    The kernel reads ``query_start_loc``, ``positions`` and ``num_rejected`` as dense 1-D
+    arrays of ``int32``/``int64`` on the capture's device. A step is checked with one
+    expression; only a call it refuses goes through ``_refuse_step``, which names the
+    argument, and accepts what is valid but not of the exact types the expression expects
+    (tensor or int subclasses).
+    """
+    q, p, r = query_start_loc, positions, num_rejected
+    if num_reqs is None and isinstance(q, torch.Tensor) and q.dim() == 1:
+        num_reqs = q.shape[0] - 1
     if num_rows is None:
         num_rows = static.capture_rows
-    if not _is_count(num_rows, static.capture_rows):
-        raise _fail("num_rows", f"an int in [0, {static.capture_rows}] (capture rows)", num_rows)
-    if static.rows_layout and static.dest_rows < num_rows:
-        raise _fail("dest", f"[rows >= num_rows ({num_rows}), L, K]", f"{static.dest_rows} rows")
-    _check_tensor("positions", positions, 1, INDEX_DTYPES)
-    if positions.shape[0] < num_rows:
-        raise _fail("positions", f"of length >= num_rows ({num_rows})", positions)
-    if positions.device != device:
-        raise _fail("positions", f"on the capture's device ({device})", positions)
-    if num_rejected is not None:
-        _check_tensor("num_rejected", num_rejected, 1, INDEX_DTYPES)
-        if num_rejected.shape[0] < num_reqs:
-            raise _fail("num_rejected", f"of length >= num_reqs ({num_reqs})", num_rejected)
-        if num_rejected.device != device:
-            raise _fail("num_rejected", f"on the capture's device ({device})", num_rejected)
-    # Positional: made once per step (field order: num_reqs, row_limit, L, K, B, S, layout).
+    device = static.device
+    if not (
+        type(q) is torch.Tensor
+        and type(p) is torch.Tensor
+        and type(num_reqs) is int
+        and type(num_rows) is int
+        and q.dim() == 1
+        and p.dim() == 1
+        and q.dtype in INDEX_DTYPES
+        and p.dtype in INDEX_DTYPES
+        and 0 <= num_reqs < q.shape[0]
+        and num_reqs <= static.max_requests
+        and 0 <= num_rows <= static.capture_rows
+        and num_rows <= p.shape[0]
+        and (not static.rows_layout or num_rows <= static.dest_rows)
+        and q.is_contiguous()
+        and p.is_contiguous()
+        and q.device == device
+        and p.device == device
+        and (
+            r is None
+            or (
+                type(r) is torch.Tensor
+                and r.dim() == 1
+                and r.dtype in INDEX_DTYPES
+                and num_reqs <= r.shape[0]
+                and r.is_contiguous()
+                and r.device == device
+            )
+        )
+    ):
+        _refuse_step(static, q, p, r, num_reqs, num_rows)
+        num_reqs, num_rows = int(num_reqs), int(num_rows)
     return GatherPackShape(
         num_reqs,
         num_rows,
@@ -287,3 +301,47 @@ def check_step_args(
         static.num_slots,
         static.rows_layout,
     )
+
+
+def _refuse_step(
+    static: StaticArgs,
+    query_start_loc: object,
+    positions: object,
+    num_rejected: object,
+    num_reqs: object,
+    num_rows: object,
+) -> None:
+    """Every check of a step's arguments, one at a time: raises the ``GatherPackArgumentError``
+    naming the first argument at fault (in signature order), or returns if there is none."""
+    device = static.device
+    _check_tensor("query_start_loc", query_start_loc, 1, INDEX_DTYPES)
+    max_reqs = query_start_loc.shape[0] - 1
+    if max_reqs < 0:
+        raise _fail("query_start_loc", "of length R+1 >= 1", query_start_loc)
+    _check_dense_on("query_start_loc", query_start_loc, device)
+    if not _is_count(num_reqs, max_reqs):
+        raise _fail("num_reqs", f"an int in [0, {max_reqs}] (len(query_start_loc) - 1)", num_reqs)
+    for name, length in static.request_lengths:
+        if length < num_reqs:
+            layout = "[R, 3] with R" if name == "step_info" else "of length"
+            raise _fail(name, f"{layout} >= num_reqs ({num_reqs})", f"{length} entries")
+    if not _is_count(num_rows, static.capture_rows):
+        raise _fail("num_rows", f"an int in [0, {static.capture_rows}] (capture rows)", num_rows)
+    if static.rows_layout and static.dest_rows < num_rows:
+        raise _fail("dest", f"[rows >= num_rows ({num_rows}), L, K]", f"{static.dest_rows} rows")
+    _check_tensor("positions", positions, 1, INDEX_DTYPES)
+    if positions.shape[0] < num_rows:
+        raise _fail("positions", f"of length >= num_rows ({num_rows})", positions)
+    _check_dense_on("positions", positions, device)
+    if num_rejected is not None:
+        _check_tensor("num_rejected", num_rejected, 1, INDEX_DTYPES)
+        if num_rejected.shape[0] < num_reqs:
+            raise _fail("num_rejected", f"of length >= num_reqs ({num_reqs})", num_rejected)
+        _check_dense_on("num_rejected", num_rejected, device)
+
+
+def _check_dense_on(name: str, t: torch.Tensor, device: torch.device) -> None:
+    if not t.is_contiguous():
+        raise _fail(name, "contiguous (the kernel reads it as a dense array)", t)
+    if t.device != device:
+        raise _fail(name, f"on the capture's device ({device})", t)
