@@ -47,7 +47,7 @@ class RequestBook:
         device: torch.device,
         destination: str,
         output_pool_bytes: int | None,
-        on_store_grow: Callable[[], None],
+        wait_for_device_writes: Callable[[], None],
     ) -> None:
         self.sizing = sizing
         B = self._block_size = sizing.hash_block_size
@@ -65,6 +65,11 @@ class RequestBook:
         self.ring_width = (depth + 1) * step_blocks + 1 + self._lookahead
         self.table = RequestTable(self.ring_width, capacity=sizing.max_num_seqs + 1)
         self.generation = 0
+        self.device_side: DeviceSide | None = None
+        self._wait_for_device_writes = wait_for_device_writes
+        # Set when the host ring or the store arena is replaced: the device side must attach
+        # again before the next launch.
+        self._detached = True
         self.store = BlockStore(
             max_bytes=sizing.max_bytes,
             object_nbytes=sizing.block_nbytes,
@@ -75,7 +80,7 @@ class RequestBook:
             + sizing.max_num_seqs * (1 + self._lookahead),
             # The kernel writes the arena through unified addressing: it must be pinned.
             pin_memory=destination == "direct" and device.type == "cuda",
-            on_grow=on_store_grow,
+            on_grow=self._on_store_grow,
         )
         if output_pool_bytes is None:
             output_pool_bytes = envs.output_pool_bytes()
@@ -90,15 +95,14 @@ class RequestBook:
             dtype=sizing.dtype,
             output_pool=OutputPool(max_bytes=output_pool_bytes),
         )
-        self._attached: tuple[int, int] | None = None
         # Steps launched and not yet settled, oldest first; finished requests whose teardown
         # waits for them.
         self._in_flight: list[StepLayout] = []
         self._deferred = 0
 
     def make_device_side(self, capture_buffer: torch.Tensor, kernel_impl: str) -> DeviceSide:
-        """The device half, sized from this book (one per worker)."""
-        return DeviceSide(
+        """The device half, sized from this book; the book launches through it."""
+        self.device_side = DeviceSide(
             capture_buffer=capture_buffer,
             dtype=self.sizing.dtype,
             block_size=self._block_size,
@@ -110,6 +114,13 @@ class RequestBook:
             destination=self.destination,
             kernel_impl=kernel_impl,
         )
+        self._detached = True
+        return self.device_side
+
+    def _on_store_grow(self) -> None:
+        # The store is about to replace its arena: kernels writing the old one must finish.
+        self._detached = True
+        self._wait_for_device_writes()
 
     # ------------------------------------------------------------------ begin_step
     def begin(self, metadata: AuxOutputConnectorMetadata, emit_starts: np.ndarray) -> None:
@@ -166,9 +177,12 @@ class RequestBook:
         try:
             return table.rows(ids, cache="scheduled")
         except KeyError:
+            capacity = table.capacity
             for request_id in ids:
                 if request_id not in table.index:
                     table.add(request_id, requests[request_id])
+            if table.capacity != capacity:
+                self._detached = True  # the table grew: its ring is a new array
             return table.rows(ids, cache="scheduled")
 
     # ------------------------------------------------------------------ prepare_output
@@ -187,16 +201,14 @@ class RequestBook:
     _checked_rows: np.ndarray | None = None
 
     def launch(
-        self,
-        layout: StepLayout,
-        input_batch: Any,
-        num_rejected: torch.Tensor | None,
-        device_side: DeviceSide,
+        self, layout: StepLayout, input_batch: Any, num_rejected: torch.Tensor | None
     ) -> LaunchedStep:
         """Check the batch's device inputs (``query_start_loc`` ``[>= R+1]``, ``positions``
         ``[>= num_rows]``, 1-D, on the device), give the step's requests the slots they need
         and launch the kernel. A refused input changes nothing."""
-        self._attach(device_side)
+        device_side = self.device_side
+        if self._detached:
+            self._attach()
         num_rows = int(layout.query_start_loc[-1])
         query_start_loc = positions = shape = None
         if layout.request_ids:
@@ -213,8 +225,8 @@ class RequestBook:
             except GatherPackArgumentError as exc:
                 raise input_batch_error(exc) from None
         ring_updates = self._take_slots(layout)
-        if ring_updates is not None:
-            self._attach(device_side)  # taking slots may have grown the store
+        if self._detached:
+            self._attach()  # taking slots grew the store
         launched = device_side.launch(
             table_row=layout.rows,
             ring_updates=ring_updates,
@@ -227,13 +239,11 @@ class RequestBook:
         self._in_flight.append(layout)
         return launched
 
-    def _attach(self, device_side: DeviceSide) -> None:
-        """Keep the device ring a mirror of the host ring (both are replaced when the table
-        grows) and the kernel's destination the store's arena (replaced when it grows)."""
-        attached = (self.table.capacity, self.store.arena_version)
-        if attached != self._attached:
-            device_side.attach(self.table.ring, self._arena_blocks())
-            self._attached = attached
+    def _attach(self) -> None:
+        """Make the device ring a mirror of the host ring again (both are replaced when the
+        table grows) and the kernel's destination the store's current arena."""
+        self.device_side.attach(self.table.ring, self._arena_blocks())
+        self._detached = False
 
     def _allocate(self, n: int) -> np.ndarray:
         """``n`` unbound slots (int64). ``max_num_seqs`` bounds the requests of a step, not

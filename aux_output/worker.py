@@ -125,7 +125,7 @@ class TritonAuxOutputWorker:
                     envs.destination() if destination is None else destination, self.device
                 ),
                 output_pool_bytes=output_pool_bytes,
-                on_store_grow=self._wait_for_device_writes,
+                wait_for_device_writes=self._wait_for_device_writes,
             )
             self.device_side = self._book.make_device_side(self.capture_buffer, kernel_impl)
 
@@ -200,7 +200,7 @@ class TritonAuxOutputWorker:
                 len(self._pending) < self.sizing.max_concurrent_batches,
                 "auxiliary output step outputs are not consumed in order",
             )
-            launched = self._book.launch(layout, input_batch, num_rejected, self.device_side)
+            launched = self._book.launch(layout, input_batch, num_rejected)
             pending = PendingStep(self, layout, launched)
             self._pending.append(pending)
         return pending
@@ -235,7 +235,6 @@ class TritonAuxOutputWorker:
                 self._book.close()
 
     def _wait_for_device_writes(self) -> None:
-        # The store is about to copy its arena: kernels still writing the old one must finish.
         if self.device_side is not None:
             self.device_side.wait_idle()
 
