@@ -8,7 +8,11 @@ reference), and its time says nothing about a GPU host. So neither side's emulat
 
 * vLLM: ``SnapshotStandIn`` replaces the capturer. The harness computes the cast with
   ``stage()`` before the timed ``prepare_output``; inside it, ``snapshot_routing_data``
-  runs ``launch_stand_in()`` once and returns the cast already made.
+  runs ``launch_stand_in()`` once and returns the cast already made, as a
+  ``DeviceSnapshot``. ``enqueue_cpu_copy`` then moves it to the host with
+  ``.to("cpu", non_blocking=True)``: on a GPU a device-to-host copy launch, on a CPU a
+  no-op that would cost vLLM nothing, so ``DeviceSnapshot.to`` runs one
+  ``launch_stand_in()`` too (r3capture's copies back run as real, tiny CPU copies).
 * r3capture: ``KernelStandIn`` wraps the kernel's CPU emulation, the torch reference that
   ``GatherPackLaunch`` runs in place of the Triton launch (``kernel_binding()``). The
   reference still runs (the outputs need its writes), but its wall and thread-CPU time are
@@ -117,6 +121,21 @@ class KernelStandIn:
             self._binding = None
 
 
+class DeviceSnapshot:
+    """vLLM's snapshot as its ``PendingAuxOutput`` holds it: ``.to(device, non_blocking)``
+    (its only use) costs one stand-in launch, the device-to-host copy it is on a GPU, and
+    returns the staged host tensor."""
+
+    __slots__ = ("_staged",)
+
+    def __init__(self, staged: torch.Tensor) -> None:
+        self._staged = staged
+
+    def to(self, device: Any, non_blocking: bool = False) -> torch.Tensor:
+        launch_stand_in()
+        return self._staged
+
+
 class SnapshotStandIn:
     """vLLM's capturer for a replay: the snapshot cast is made by ``stage(num_rows)`` outside
     the timed region; ``snapshot_routing_data`` costs one stand-in launch."""
@@ -134,17 +153,18 @@ class SnapshotStandIn:
         expression: the first ``num_rows`` rows cast to the output dtype)."""
         self._staged = self.device_buffer[:num_rows].to(self.output_dtype)
 
-    def snapshot_routing_data(self, num_tokens: int) -> torch.Tensor:
+    def snapshot_routing_data(self, num_tokens: int) -> DeviceSnapshot:
         staged, self._staged = self._staged, None
         if staged is None or staged.shape[0] != num_tokens:
             raise RuntimeError(f"no snapshot of {num_tokens} rows was staged before the call")
         launch_stand_in()
         self.launches += 1
-        return staged
+        return DeviceSnapshot(staged)
 
 
 __all__ = [
     "KERNEL_BINDINGS",
+    "DeviceSnapshot",
     "KernelStandIn",
     "SnapshotStandIn",
     "kernel_binding",

@@ -12,6 +12,7 @@ import time
 import numpy as np
 import pytest
 
+from bench import stand_ins
 from bench.host_step_families import FAMILIES
 from bench.host_step_replay import CALLS, KINDS, replay, step_kinds
 from bench.stand_ins import KernelStandIn, SnapshotStandIn, kernel_binding
@@ -98,7 +99,7 @@ def test_kernel_stand_in_excludes_the_kernel(monkeypatch):
     assert np.median(main[:, 0]) < slow_ns // 5
 
 
-def test_snapshot_stand_in_returns_the_staged_cast():
+def test_snapshot_stand_in_returns_the_staged_cast_for_one_launch_each_way(monkeypatch):
     import torch
 
     capturer = type("C", (), {})()
@@ -110,9 +111,14 @@ def test_snapshot_stand_in_returns_the_staged_cast():
     with pytest.raises(RuntimeError, match="no snapshot of 3 rows"):
         snapshot.snapshot_routing_data(3)
     snapshot.stage(3)
-    out = snapshot.snapshot_routing_data(3)
+    calls = []
+    monkeypatch.setattr(stand_ins, "launch_stand_in", lambda: calls.append("launch"))
+    on_device = snapshot.snapshot_routing_data(3)
+    assert calls == ["launch"] and snapshot.launches == 1
+    # vLLM's enqueue_cpu_copy: the device-to-host copy costs a launch too.
+    out = on_device.to("cpu", non_blocking=True)
+    assert calls == ["launch", "launch"]
     assert out.dtype == torch.uint8 and torch.equal(out, capturer.device_buffer[:3].to(torch.uint8))
-    assert snapshot.launches == 1
 
 
 def test_step_kinds():
