@@ -267,6 +267,9 @@ def test_store_growth_waits_for_device_writes_first():
     out = run_step(worker, meta({"a": 0}, {"a": hashes(1, range(3))}), [("a", 1, 0, 12)])
     assert calls, "the store grew without waiting for in-flight device writes"
     assert np.array_equal(out["a"].rows, routes(1, 0, 12).astype(np.uint8))
+    # The next launch writes into the grown arena, where the next emit reads.
+    out = run_step(worker, meta({"a": 12}), [("a", 1, 12, 2)])
+    assert np.array_equal(out["a"].rows, routes(1, 12, 2).astype(np.uint8))
 
 
 @pytest.mark.parametrize(
