@@ -260,6 +260,7 @@ def mixed() -> Family:
 FAMILIES: dict[str, Family] = {
     f.name: f
     for f in (
+        decode(1),
         decode(8),
         decode(32),
         decode(128),
