@@ -1,13 +1,22 @@
-"""The step commit: vLLM 0.33.0's checks and cursor moves for one processed step, as vectors.
+"""The step commit: vLLM 0.33.0's checks and cursor moves for one processed step.
 
-numpy only (no torch, no store), so it is testable on its own. For every request of the step
-it decides where the accepted rows start (the capture start: the scheduler's start, or the
-request's cursor when it reattaches after a rejected speculative suffix), where they end, and
-which rows to return: rows the step captured (``direct``) or rows from before its capture
-start, which must be read back from the store (``materialize``, prefix-cache hits).
+numpy and Python only (no torch, no store), so it is testable on its own. For every request
+of the step it decides where the accepted rows start (the capture start: the scheduler's
+start, or the request's cursor when it reattaches after a rejected speculative suffix), where
+they end, and which rows to return: rows the step captured (``direct``) or rows from before
+its capture start, which must be read back from the store (``materialize``, prefix-cache
+hits).
 
 Errors are vLLM's: the first request (in batch order) that fails any check names the error,
 and for that request the checks come in vLLM's order.
+
+Two mechanisms, one result: a step of up to ``PER_REQUEST_MAX`` requests is committed by a
+loop over Python ints, a larger one by vector operations. In an engine each numpy call of
+the vector commit runs after the forward's launch has evicted numpy's code from the caches,
+which makes its ~45 calls a fixed ~35 us per step whatever the batch; the loop costs a few
+us plus ~0.5 us per request (``bench/RESULTS.md``, fast paths). The loop handles only steps
+that pass every check; on any failure it writes nothing and the vector commit raises the
+error.
 """
 
 from __future__ import annotations
@@ -62,6 +71,10 @@ class CommitPlan:
     materialize: np.ndarray  # requests whose returned rows start before their capture start
 
 
+# Steps of at most this many requests are committed by the per-request loop.
+PER_REQUEST_MAX = 32
+
+
 def commit_step(
     layout: StepLayout,
     table: RequestTable,
@@ -77,6 +90,85 @@ def commit_step(
     the kernel's ``int32 [R, 3]`` (start, rows written or -1, status) or None for an empty
     step. Raises ``AuxOutputProtocolError`` without changing ``table``.
     """
+    if len(layout.rows) <= PER_REQUEST_MAX:
+        plan = _commit_per_request(layout, table, num_sampled, num_rejected, step_info, block_size)
+        if plan is not None:
+            return plan
+    return _commit_vectorized(layout, table, num_sampled, num_rejected, step_info, block_size)
+
+
+def _commit_per_request(
+    layout: StepLayout,
+    table: RequestTable,
+    num_sampled: np.ndarray,
+    num_rejected: np.ndarray,
+    step_info: np.ndarray | None,
+    block_size: int,
+) -> CommitPlan | None:
+    """``commit_step`` as a loop over the requests; None (and ``table`` unchanged) when any
+    check fails."""
+    rows = layout.rows
+    num_reqs = len(rows)
+    starts = layout.token_starts.tolist()
+    num_tokens = layout.num_tokens.tolist()
+    sampled = num_sampled[:num_reqs].tolist()
+    rejected = num_rejected[:num_reqs].tolist()
+    cursors = table.cursor[rows].tolist()
+    scheduled = table.scheduled[rows].tolist()
+    emit_starts = table.emit[rows].tolist()
+    placed = step_info.tolist() if step_info is not None else None
+    capture_starts, token_ends, new_emits, new_scheduled = [], [], [], []
+    direct, materialize = [], []
+    for i in range(num_reqs):
+        start, n, r, cursor = starts[i], num_tokens[i], rejected[i], cursors[i]
+        fresh = cursor < 0  # NO_CURSOR
+        if fresh:
+            cursor = start
+        capture = min(start, cursor)
+        accepted = n - r
+        if (
+            n <= 0
+            or accepted < 0
+            or r < 0
+            or start < cursor
+            or (start > cursor and cursor >= scheduled[i])
+            or (fresh and accepted > 0 and capture % block_size != 0)
+        ):
+            return None
+        if placed is not None:
+            kernel_start, written, status = placed[i]
+            if status != 0 or written < accepted or kernel_start != capture:
+                return None
+        end = capture + accepted
+        emit = emit_starts[i]
+        capture_starts.append(capture)
+        token_ends.append(end)
+        new_scheduled.append(start + n)
+        if sampled[i] > 0 and emit <= end:
+            (materialize if emit < capture else direct).append(i)
+            emit = end
+        new_emits.append(emit)
+    table.cursor[rows] = token_ends
+    table.scheduled[rows] = new_scheduled
+    table.emit[rows] = new_emits
+    return CommitPlan(
+        np.array(capture_starts, np.int64),
+        np.array(token_ends, np.int64),
+        np.array(emit_starts, np.int64),
+        np.array(direct, np.int64),
+        np.array(materialize, np.int64),
+    )
+
+
+def _commit_vectorized(
+    layout: StepLayout,
+    table: RequestTable,
+    num_sampled: np.ndarray,
+    num_rejected: np.ndarray,
+    step_info: np.ndarray | None,
+    block_size: int,
+) -> CommitPlan:
+    """``commit_step`` as vector operations over the requests."""
     rows, starts, num_tokens = layout.rows, layout.token_starts, layout.num_tokens
     num_reqs = len(rows)
     sampled = num_sampled[:num_reqs]

@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 import torch
 
+from r3capture.aux_output import step_commit
 from r3capture.aux_output.types import AuxOutputConnectorMetadata, PackedBlockHashes
 from sim import (
     SCENARIOS,
@@ -48,6 +49,14 @@ def _differential(trace, factory=REFERENCE, expect_error=None):
 
 @pytest.mark.parametrize("scenario", sorted(SCENARIOS))
 def test_scenario_byte_identical(scenario):
+    _differential(make_trace(scenario, seed=0))
+
+
+@pytest.mark.parametrize("scenario", sorted(SCENARIOS))
+def test_scenario_byte_identical_with_the_vectorized_commit(scenario, monkeypatch):
+    # The scenarios' steps are small enough for the step commit's per-request loop; this
+    # runs them through its vector operations instead.
+    monkeypatch.setattr(step_commit, "PER_REQUEST_MAX", 0)
     _differential(make_trace(scenario, seed=0))
 
 
