@@ -2,9 +2,9 @@
 
 ``RequestBook`` applies the scheduler's metadata (rows for new requests, teardown; the
 step's key work of new block hashes and pins is recorded for the output thread,
-``key_work.py``), plans each step's slots (only requests that enter a new hash block get
-them, ``LOOKAHEAD_TOKENS`` ahead; everything else is already in the device slot ring), and
-commits processed steps (recorded key work, checks, cursors, emitted rows, publication,
+``key_work.py``), launches each step after taking the slots it needs (only requests that
+enter a new hash block get them, ``LOOKAHEAD_TOKENS`` ahead, ``slot_planner.py``;
+everything else is already in the device slot ring), and commits processed steps (recorded key work, checks, cursors, emitted rows, publication,
 prefix-cache hits, deferred teardown). The worker serializes every call under its lock, in
 vLLM's call order; store calls are queued and applied in order by ``process_output``
 (``Publisher``).
@@ -28,13 +28,11 @@ from r3capture.aux_output.publisher import Publisher
 from r3capture.aux_output.request_table import RequestTable
 from r3capture.aux_output.row_reader import RowReader
 from r3capture.aux_output.sizing import WorkerSizing, require_int
+from r3capture.aux_output.slot_planner import LOOKAHEAD_TOKENS, SlotPlanner
 from r3capture.aux_output.step_commit import StepLayout, commit_step
 from r3capture.aux_output.types import AuxOutputConnectorMetadata, AuxRequestOutput
 from r3capture.kernels import GatherPackArgumentError
 from r3capture.store import BlockStore
-
-# How far past its scheduled rows a request's slots reach when it takes new ones.
-LOOKAHEAD_TOKENS = 256
 
 
 class RequestBook:
@@ -58,11 +56,11 @@ class RequestBook:
         step_blocks = -(-sizing.max_num_batched_tokens // B) + 1
         # A request that needs a new slot takes LOOKAHEAD_TOKENS more: most decode steps then
         # find their block already in the device ring and upload nothing (bench/RESULTS.md).
-        self._lookahead = -(-LOOKAHEAD_TOKENS // B)
+        lookahead = -(-LOOKAHEAD_TOKENS // B)
         # A request's unbound blocks span at most the steps in flight plus the one being
         # prepared, each up to a full step of blocks, blocks waiting for their key, and the
         # lookahead.
-        self.ring_width = (depth + 1) * step_blocks + 1 + self._lookahead
+        self.ring_width = (depth + 1) * step_blocks + 1 + lookahead
         self.table = RequestTable(self.ring_width, capacity=sizing.max_num_seqs + 1)
         self.generation = 0
         self.device_side: DeviceSide | None = None
@@ -77,7 +75,7 @@ class RequestBook:
             # step in flight (vLLM's staging bound), plus one step of blocks handed over by
             # begin_step whose store call waits for the output thread.
             reserve_slots=(depth + 1) * sizing.blocks_per_step
-            + sizing.max_num_seqs * (1 + self._lookahead),
+            + sizing.max_num_seqs * (1 + lookahead),
             # The kernel writes the arena through unified addressing: it must be pinned.
             pin_memory=destination == "direct" and device.type == "cuda",
             on_grow=self._on_store_grow,
@@ -85,6 +83,7 @@ class RequestBook:
         if output_pool_bytes is None:
             output_pool_bytes = envs.output_pool_bytes()
         output_pool_bytes = require_int("output_pool_bytes", output_pool_bytes, minimum=0)
+        self._slots = SlotPlanner(self.table, self.store, B)
         self._publisher = Publisher(self.store, self.table, B)
         self._key_work = KeyWorkQueue(self.table, self._publisher)
         self._reader = RowReader(
@@ -109,7 +108,7 @@ class RequestBook:
             max_num_seqs=self.sizing.max_num_seqs,
             # New slots of one step (lookahead included), and each growing request's window.
             max_updates=self.sizing.blocks_per_step
-            + self.sizing.max_num_seqs * (2 + self._lookahead),
+            + self.sizing.max_num_seqs * (2 + self._slots.lookahead_blocks),
             depth=self.sizing.max_concurrent_batches,
             destination=self.destination,
             kernel_impl=kernel_impl,
@@ -224,7 +223,7 @@ class RequestBook:
                 )
             except GatherPackArgumentError as exc:
                 raise input_batch_error(exc) from None
-        ring_updates = self._take_slots(layout)
+        ring_updates = self._slots.take_slots(layout)
         if self._detached:
             self._attach()  # taking slots grew the store
         launched = device_side.launch(
@@ -245,40 +244,11 @@ class RequestBook:
         self.device_side.attach(self.table.ring, self._arena_blocks())
         self._detached = False
 
-    def _allocate(self, n: int) -> np.ndarray:
-        """``n`` unbound slots (int64). ``max_num_seqs`` bounds the requests of a step, not
-        those holding slots: preempted requests keep their open block and lookahead while
-        others run, so when the reserve runs short it grows (at least doubles) rather than
-        failing the launch."""
-        store = self.store
-        short = store.num_unbound + n - store.reserve_slots
-        if short > 0:
-            store.grow_reserve(max(short, store.reserve_slots))
-        return store.allocate(n)
-
     def _rows_in_flight(self) -> np.ndarray:
         """Table rows of every request with a step in flight (int64, with repeats)."""
         if not self._in_flight:
             return np.empty(0, np.int64)
         return np.concatenate([layout.rows for layout in self._in_flight])
-
-    def _take_slots(self, layout: StepLayout) -> tuple[np.ndarray, np.ndarray] | None:
-        """New slots for the requests whose scheduled rows reach past their last block with a
-        slot (and ``LOOKAHEAD_TOKENS`` beyond); returns the ring entries that changed, or
-        None when none did."""
-        B = self._block_size
-        lasts = layout.token_starts + layout.num_tokens
-        lasts -= 1
-        lasts //= B
-        grow = (lasts >= self.table.end[layout.rows]).nonzero()[0]
-        if not grow.size:
-            return None
-        return self.table.take_slots(
-            layout.rows[grow],
-            layout.token_starts[grow] // B,
-            lasts[grow] + self._lookahead,
-            self._allocate,
-        )
 
     def _arena_blocks(self) -> torch.Tensor:
         """The store arena as ``[slots, B, L, K]`` of the row dtype (a view, no copy)."""

@@ -44,7 +44,7 @@ class StepLayout:
     each request's rows, ``[R]``), ``query_start_loc`` (``[R + 1]``) and ``num_tokens``
     (rows scheduled per request, ``[R]``); integer arrays."""
 
-    __slots__ = ("request_ids", "rows", "token_starts", "query_start_loc", "num_tokens")
+    __slots__ = ("request_ids", "rows", "token_starts", "query_start_loc", "_num_tokens")
 
     def __init__(
         self,
@@ -57,7 +57,15 @@ class StepLayout:
         self.rows = rows
         self.token_starts = token_starts
         self.query_start_loc = query_start_loc
-        self.num_tokens = query_start_loc[1:] - query_start_loc[:-1]
+        self._num_tokens: np.ndarray | None = None
+
+    @property
+    def num_tokens(self) -> np.ndarray:
+        # Made on first use, by the output thread's commit: the launch does not need it.
+        if self._num_tokens is None:
+            qsl = self.query_start_loc
+            self._num_tokens = qsl[1:] - qsl[:-1]
+        return self._num_tokens
 
 
 @dataclass
@@ -71,7 +79,8 @@ class CommitPlan:
     materialize: np.ndarray  # requests whose returned rows start before their capture start
 
 
-# Steps of at most this many requests are committed by the per-request loop.
+# Steps of at most this many requests are committed by the per-request loop, and
+# ``RequestBook`` tests which of them need new slots with one too.
 PER_REQUEST_MAX = 32
 
 
@@ -110,7 +119,7 @@ def _commit_per_request(
     rows = layout.rows
     num_reqs = len(rows)
     starts = layout.token_starts.tolist()
-    num_tokens = layout.num_tokens.tolist()
+    bounds = layout.query_start_loc.tolist()
     sampled = num_sampled[:num_reqs].tolist()
     rejected = num_rejected[:num_reqs].tolist()
     cursors = table.cursor[rows].tolist()
@@ -120,7 +129,7 @@ def _commit_per_request(
     capture_starts, token_ends, new_emits, new_scheduled = [], [], [], []
     direct, materialize = [], []
     for i in range(num_reqs):
-        start, n, r, cursor = starts[i], num_tokens[i], rejected[i], cursors[i]
+        start, n, r, cursor = starts[i], bounds[i + 1] - bounds[i], rejected[i], cursors[i]
         fresh = cursor < 0  # NO_CURSOR
         if fresh:
             cursor = start

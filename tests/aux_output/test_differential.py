@@ -54,8 +54,8 @@ def test_scenario_byte_identical(scenario):
 
 @pytest.mark.parametrize("scenario", sorted(SCENARIOS))
 def test_scenario_byte_identical_with_the_vectorized_commit(scenario, monkeypatch):
-    # The scenarios' steps are small enough for the step commit's per-request loop; this
-    # runs them through its vector operations instead.
+    # The scenarios' steps are small enough for the per-request loops (the step commit,
+    # the test for new slots); this runs them through the vector operations instead.
     monkeypatch.setattr(step_commit, "PER_REQUEST_MAX", 0)
     _differential(make_trace(scenario, seed=0))
 

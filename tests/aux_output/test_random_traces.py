@@ -51,8 +51,8 @@ def test_random_trace_schedulers_agree_and_match_oracle(seed, vllm_first):
 @SETTINGS
 @given(seed=SEEDS, device_rejections=st.booleans(), vectorized_commit=st.booleans())
 def test_random_trace_workers_byte_identical(seed, device_rejections, vectorized_commit):
-    # These traces' steps are small: the step commit's per-request loop takes them all
-    # unless the vector operations are forced.
+    # These traces' steps are small: the per-request loops (the step commit, the test for
+    # new slots) take them all unless the vector operations are forced.
     trace = random_trace(seed)
     ref = run_trace(trace, make_vllm_worker, catch_errors=True, check=False)
     factory = r3capture_worker_factory(kernel_impl="reference", pass_num_rejected=device_rejections)

@@ -402,7 +402,7 @@ def test_async_decode_changes_only_the_ring_entries_of_requests_past_their_slots
     requests whose token lies past their last slot (then LOOKAHEAD_TOKENS more), and no
     request's unbound window grows beyond what it needs."""
     from r3capture.aux_output.device_side import DeviceSide
-    from r3capture.aux_output.request_book import LOOKAHEAD_TOKENS
+    from r3capture.aux_output.slot_planner import LOOKAHEAD_TOKENS
 
     updates = []
     launch = DeviceSide.launch

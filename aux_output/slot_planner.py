@@ -1,0 +1,73 @@
+"""Which requests of a step need new store slots before the launch, and taking them.
+
+A request's slots cover its hash blocks up to ``RequestTable.end``. A step whose scheduled
+rows reach past that block takes slots for the blocks it needs plus ``LOOKAHEAD_TOKENS`` more,
+so most decode and speculative steps need none and change no ring entry. Slots come from the
+store's producer reserve, which grows rather than fails when requests outside the step
+(preempted ones) hold more than it was sized for.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from r3capture.aux_output import step_commit
+from r3capture.aux_output.request_table import RequestTable
+from r3capture.aux_output.step_commit import StepLayout
+from r3capture.store import BlockStore
+
+# How far past its scheduled rows a request's slots reach when it takes new ones.
+LOOKAHEAD_TOKENS = 256
+
+
+class SlotPlanner:
+    """Slot taking for the launches of one request table and store (main thread)."""
+
+    def __init__(self, table: RequestTable, store: BlockStore, block_size: int) -> None:
+        self._table = table
+        self._store = store
+        self._block_size = block_size
+        self.lookahead_blocks = -(-LOOKAHEAD_TOKENS // block_size)
+
+    def take_slots(self, layout: StepLayout) -> tuple[np.ndarray, np.ndarray] | None:
+        """New slots for the step's requests whose scheduled rows reach past their last block
+        with a slot (and ``LOOKAHEAD_TOKENS`` beyond); returns the ring entries that changed
+        (``RequestTable.take_slots``), or None when none did."""
+        B = self._block_size
+        rows, starts, qsl = layout.rows, layout.token_starts, layout.query_start_loc
+        if len(rows) <= step_commit.PER_REQUEST_MAX:
+            # A few requests: Python ints beat numpy's per-call cost (as in the commit).
+            ends = self._table.end[rows].tolist()
+            bounds = qsl.tolist()
+            grow = [
+                i
+                for i, start in enumerate(starts.tolist())
+                if (start + bounds[i + 1] - bounds[i] - 1) // B >= ends[i]
+            ]
+            if not grow:
+                return None
+            grow = np.array(grow)
+            lasts = (starts[grow] + qsl[grow + 1] - qsl[grow] - 1) // B
+        else:
+            lasts = starts + qsl[1:]
+            lasts -= qsl[:-1]
+            lasts -= 1
+            lasts //= B
+            grow = (lasts >= self._table.end[rows]).nonzero()[0]
+            if not grow.size:
+                return None
+            lasts = lasts[grow]
+        return self._table.take_slots(
+            rows[grow], starts[grow] // B, lasts + self.lookahead_blocks, self._allocate
+        )
+
+    def _allocate(self, n: int) -> np.ndarray:
+        """``n`` unbound slots (int64). ``max_num_seqs`` bounds the requests of a step, not
+        those holding slots: preempted requests keep their open block and lookahead while
+        others run, so when the reserve runs short it grows (at least doubles) rather than
+        failing the launch."""
+        store = self._store
+        short = store.num_unbound + n - store.reserve_slots
+        if short > 0:
+            store.grow_reserve(max(short, store.reserve_slots))
+        return store.allocate(n)
