@@ -4,10 +4,10 @@
 step's key work of new block hashes and pins is recorded for the output thread,
 ``key_work.py``), launches each step after taking the slots it needs (only requests that
 enter a new hash block get them, ``LOOKAHEAD_TOKENS`` ahead, ``slot_planner.py``;
-everything else is already in the device slot ring), and commits processed steps (recorded key work, checks, cursors, emitted rows, publication,
-prefix-cache hits, deferred teardown). The worker serializes every call under its lock, in
-vLLM's call order; store calls are queued and applied in order by ``process_output``
-(``Publisher``).
+everything else is already in the device slot ring), and commits processed steps (recorded
+key work, checks, cursors, emitted rows, publication, prefix-cache hits, deferred teardown).
+The worker serializes every call under its lock, in vLLM's call order; store calls are
+queued and applied in order by ``process_output`` (``Publisher``).
 """
 
 from __future__ import annotations
