@@ -186,8 +186,20 @@ def _batch_fields():
 BATCH_CORRUPTIONS = {
     "query_start_loc_np": [np.array([0]), np.array([0.0, 1.0]), np.array([], np.int32)],
     "num_computed_tokens_np": [np.array([], np.int32)],
-    "positions": [None, torch.zeros(1), torch.zeros(1, 1, dtype=torch.int64), np.array([3])],
-    "query_start_loc": [None, torch.tensor([0.0, 1.0]), torch.tensor([0]), np.array([0, 1])],
+    "positions": [
+        None,
+        torch.zeros(1),
+        torch.zeros(1, 1, dtype=torch.int64),
+        np.array([3]),
+        torch.tensor([3, 9, 4, 9])[::2],  # strided: the kernel would read the wrong entries
+    ],
+    "query_start_loc": [
+        None,
+        torch.tensor([0.0, 1.0]),
+        torch.tensor([0]),
+        np.array([0, 1]),
+        torch.tensor([0, 9, 1, 9], dtype=torch.int32)[::2],
+    ],
     "req_ids": [["b", "b"], ["b"] * 5],
 }
 
