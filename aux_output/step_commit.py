@@ -11,10 +11,11 @@ Errors are vLLM's: the first request (in batch order) that fails any check names
 and for that request the checks come in vLLM's order.
 
 Two mechanisms, one result: a step of up to ``PER_REQUEST_MAX`` requests is committed by a
-loop over Python ints, a larger one by vector operations. In an engine each numpy call of
-the vector commit runs after the forward's launch has evicted numpy's code from the caches,
-which makes its ~45 calls a fixed ~35 us per step whatever the batch; the loop costs a few
-us plus ~0.5 us per request (``bench/RESULTS.md``, fast paths). The loop handles only steps
+loop over Python ints, a larger one by vector operations. Run between the other work of a
+step (in the bench's replay, and in an engine between forward launches), numpy's per-call
+machinery is cold: the vector commit's ~45 calls cost a fixed ~35 us per step whatever the
+batch (14.5 us warm), while the loop costs a few us plus ~0.5 us per request
+(``bench/RESULTS.md``, fast paths). The loop handles only steps
 that pass every check; on any failure it writes nothing and the vector commit raises the
 error.
 """
