@@ -49,8 +49,6 @@ class RequestBook:
     ) -> None:
         self.sizing = sizing
         B = self._block_size = sizing.hash_block_size
-        self._row_nbytes = sizing.row_nbytes
-        self._device = device
         self.destination = destination
         depth = sizing.max_concurrent_batches
         step_blocks = -(-sizing.max_num_batched_tokens // B) + 1

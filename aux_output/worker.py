@@ -7,9 +7,9 @@ Per step (same call order and threads as vLLM's ``AuxOutputWorkerConnector``):
    block hashes, the scheduler's pins, their store call) is recorded for the output thread
    (``RequestBook.begin``, ``key_work.py``).
 2. ``prepare_output(input_batch)`` (main thread): the batch's device inputs are checked,
-   requests that enter a new hash block get slots (128 tokens ahead), and only those ring
-   entries change; one kernel launch writes every accepted row into its slot
-   (``RequestBook.launch`` + ``DeviceSide.launch``).
+   requests that enter a new hash block get slots (``LOOKAHEAD_TOKENS`` ahead,
+   ``slot_planner.py``), and only those ring entries change; one kernel launch writes every
+   accepted row into its slot (``RequestBook.launch`` + ``DeviceSide.launch``).
 3. ``PendingStep.enqueue_cpu_copy`` (copy stream): the kernel's per-request results (and, in
    the staging destination, the step's rows) are copied back.
 4. ``PendingStep.process_output()`` (output thread, after the step's event): the recorded key

@@ -347,7 +347,7 @@ def run(
                 "--seed",
                 str(seed),
                 *families,
-            ]  # fmt: skip
+            ]
         )
         dirs[(model, depth)] = json.loads(out.strip().splitlines()[-1])
         print(f"recordings {model} d{depth}: {time.perf_counter() - t0:.0f} s", flush=True)
@@ -369,7 +369,7 @@ def run(
                             "--out",
                             str(out_path),
                             *dirs[(model, depth)],
-                        ]  # fmt: skip
+                        ]
                     )
                     with open(out_path, "rb") as f:
                         result = pickle.load(f)

@@ -238,7 +238,6 @@ def check_static_args(
 def check_step_args(
     static: StaticArgs,
     *,
-    capture: torch.Tensor,
     query_start_loc: torch.Tensor,
     positions: torch.Tensor,
     num_rejected: torch.Tensor | None,

@@ -406,7 +406,6 @@ class GatherPackLaunch:
         ``GatherPackArgumentError`` naming the argument."""
         return check_step_args(
             self._static,
-            capture=self._args["capture"],
             query_start_loc=query_start_loc,
             positions=positions,
             num_rejected=num_rejected,

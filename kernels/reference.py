@@ -57,7 +57,6 @@ def gather_pack_reference(
     )
     shape = check_step_args(
         static,
-        capture=capture,
         query_start_loc=query_start_loc,
         positions=positions,
         num_rejected=num_rejected,
