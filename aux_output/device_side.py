@@ -239,16 +239,13 @@ class DeviceSide:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
 
-    def count_transfer(self, step: LaunchedStep) -> None:
-        """Add a processed step's copies back to ``transfer_stats`` (its results valid)."""
+    def count_transfer(self, step: LaunchedStep, rows_written: int) -> None:
+        """Add a processed step's copies back to ``transfer_stats``; ``rows_written``: the
+        rows its kernel wrote (the sum of its checked ``step_info``)."""
         stats = self.transfer_stats
         stats["steps"] += 1
-        if step.staged_rows is not None:
-            # The staging copy moves every scheduled row.
-            rows = step.num_rows
-        else:
-            # Direct writes: exactly the rows the kernel wrote (statuses already checked OK).
-            info = step.step_info
-            rows = int(np.add.reduce(info[:, 1])) if info is not None else 0
+        # The staging copy moves every scheduled row; direct writes move exactly the rows
+        # the kernel wrote.
+        rows = step.num_rows if step.staged_rows is not None else rows_written
         stats["rows"] += rows
         stats["bytes"] += rows * self._row_nbytes

@@ -267,6 +267,7 @@ class RequestBook:
         self._key_work.apply_all()
         if not len(layout.rows):
             self._publisher.flush()
+            self.device_side.count_transfer(launched, 0)
             return {}
         plan = commit_step(
             layout, self.table, num_sampled, num_rejected, launched.step_info, self._block_size
@@ -283,6 +284,7 @@ class RequestBook:
             emit_start, token_end = int(plan.emit_starts[i]), int(plan.token_ends[i])
             rows = self._reader.materialize(request_id, int(layout.rows[i]), emit_start, token_end)
             outputs[request_id] = AuxRequestOutput(emit_start, rows)
+        self.device_side.count_transfer(launched, plan.rows_written)
         return outputs
 
     def settle(self, layout: StepLayout, *, teardown: bool) -> None:

@@ -78,6 +78,7 @@ class CommitPlan:
     emit_starts: np.ndarray  # [R] first row to return (the emit cursor before the commit)
     direct: np.ndarray  # requests whose returned rows all come from this step
     materialize: np.ndarray  # requests whose returned rows start before their capture start
+    rows_written: int  # rows the kernel wrote for the step (its step_info; 0 without one)
 
 
 # Steps of at most this many requests are committed by the per-request loop, and
@@ -129,6 +130,7 @@ def _commit_per_request(
     placed = step_info.tolist() if step_info is not None else None
     capture_starts, token_ends, new_emits, new_scheduled = [], [], [], []
     direct, materialize = [], []
+    rows_written = 0
     for i in range(num_reqs):
         start, n, r, cursor = starts[i], bounds[i + 1] - bounds[i], rejected[i], cursors[i]
         fresh = cursor < 0  # NO_CURSOR
@@ -149,6 +151,7 @@ def _commit_per_request(
             kernel_start, written, status = placed[i]
             if status != 0 or written < accepted or kernel_start != capture:
                 return None
+            rows_written += written
         end = capture + accepted
         emit = emit_starts[i]
         capture_starts.append(capture)
@@ -167,6 +170,7 @@ def _commit_per_request(
         np.array(emit_starts, np.int64),
         np.array(direct, np.int64),
         np.array(materialize, np.int64),
+        rows_written,
     )
 
 
@@ -194,12 +198,14 @@ def _commit_vectorized(
     bad |= (starts > cursor) & (cursor >= table.scheduled[rows])
     if fresh.any():  # bench/RESULTS.md: skipping it when no request is new saves ~1 us
         bad |= fresh & (accepted > 0) & (capture_starts % block_size != 0)
+    rows_written = 0
     if step_info is not None:
         # The kernel placed every accepted row where the host expects it.
         start, written, status = step_info.T
         bad |= status != 0
         bad |= written < accepted
         bad |= start != capture_starts
+        rows_written = int(np.add.reduce(written, dtype=np.int64))
     if bad.any():
         _raise_first_error(
             layout, table, fresh, cursor, bad, step_info, capture_starts, accepted, block_size
@@ -213,7 +219,7 @@ def _commit_vectorized(
     table.cursor[rows] = token_ends
     table.scheduled[rows] = starts + num_tokens
     table.emit[rows] = np.where(emits, token_ends, emit_starts)
-    return CommitPlan(capture_starts, token_ends, emit_starts, direct, materialize)
+    return CommitPlan(capture_starts, token_ends, emit_starts, direct, materialize, rows_written)
 
 
 def _raise_first_error(

@@ -16,7 +16,7 @@ Per step (same call order and threads as vLLM's ``AuxOutputWorkerConnector``):
    work is applied, the commit checks the step as vLLM does and moves the cursors, emitted
    rows are copied out with one gather,
    complete keyed blocks are bound (no payload copy), prefix-cache hits are read back from
-   the store, and deferred teardown happens (``RequestBook.commit``).
+   the store, the transfer is counted, and deferred teardown happens (``RequestBook.commit``).
 
 Outputs (``AuxRequestOutput`` per request per step) and protocol errors are those of vLLM
 0.33.0's connector; ``tests/aux_output/test_differential.py`` checks this on generated traces.
@@ -220,7 +220,6 @@ class TritonAuxOutputWorker:
                 outputs = self._book.commit(
                     pending.layout, pending.launched, pending.num_sampled, pending.num_rejected
                 )
-                self.device_side.count_transfer(pending.launched)
                 committed = True
             finally:
                 self._pending.remove(pending)

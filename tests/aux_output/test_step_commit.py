@@ -55,9 +55,11 @@ def test_reattach_after_rejection_and_emit_split():
         table,
         num_sampled=np.array([1, 2, 1]),
         num_rejected=np.array([0, 2, 0]),
-        step_info=info([8, 10, 16], [1, 2, 3]),
+        step_info=info([8, 10, 16], [1, 4, 3]),
         block_size=B,
     )
+    # r1's kernel wrote its 2 rejected rows too (no device counts): 8 rows crossed.
+    assert plan.rows_written == 8
     assert plan.capture_starts.tolist() == [8, 10, 16]
     assert plan.token_ends.tolist() == [9, 12, 19]
     assert plan.direct.tolist() == [0, 1] and plan.materialize.tolist() == [2]
@@ -155,7 +157,8 @@ def _random_step(rng: random.Random, num_reqs: int, valid: bool):
     cursor = np.where(np.array(cursors) < 0, starts, cursors)
     capture = np.minimum(starts, cursor)
     accepted = np.array(counts) - np.array(rejected)
-    placed = info(capture, accepted)
+    # Without the device's rejected counts the kernel writes every scheduled row.
+    placed = info(capture, accepted if rng.random() < 0.5 else np.array(counts))
     if not valid and rng.random() < 0.5:
         i = rng.randrange(num_reqs)
         placed[i, rng.randrange(3)] += rng.choice([-1, 1, 2])
@@ -175,7 +178,7 @@ def test_per_request_and_vectorized_commits_agree(seed, mechanism, monkeypatch):
         monkeypatch.setattr(step_commit, "PER_REQUEST_MAX", limit)
         try:
             plan = commit_step(step, table, sampled, rejected, placed, block_size=B)
-            outcome = [getattr(plan, f).tolist() for f in plan.__dataclass_fields__]
+            outcome = [np.asarray(getattr(plan, f)).tolist() for f in plan.__dataclass_fields__]
         except AuxOutputProtocolError as exc:
             outcome = str(exc)
         state = [c[step.rows].tolist() for c in (table.cursor, table.scheduled, table.emit)]
