@@ -1,9 +1,11 @@
 """Reading rows back out of the store arena into arrays the outputs own.
 
-Three readers of the arena, all vectorized over a step's requests:
+Three readers of the arena:
 
 * ``emit``: each emitting request's new rows (they lie in its unbound blocks, found through
   the slot ring), copied with one gather into one array and handed out as per-request views;
+  the arena rows to gather are worked out per request for a few requests, with vector
+  operations for more;
 * ``materialize``: a prefix-cache hit's rows from before its capture start: whole stored
   blocks looked up by key (one gather), then the request's open block;
 * ``place_staged``: in the device-staging destination, the host copy of a step's rows is
@@ -14,6 +16,8 @@ Outputs never alias the arena: slots are reused once a block is evicted.
 
 from __future__ import annotations
 
+import itertools
+
 import numpy as np
 import torch
 
@@ -23,6 +27,13 @@ from r3capture.aux_output.request_table import RequestTable
 from r3capture.aux_output.step_commit import CommitPlan, StepLayout
 from r3capture.aux_output.types import AuxRequestOutput
 from r3capture.store import BlockStore
+
+# Steps emitting for at most this many requests, and this many rows, work out the arena
+# rows over Python ints. Below the commit's PER_REQUEST_MAX: the loop's ring reads cost
+# ~0.5 us per request in the replay, so it stops paying beyond ~8 requests; a long emit
+# (a finished prefill chunk) is one ring read per block (bench/RESULTS.md, fast paths).
+EMIT_PER_REQUEST_MAX = 8
+EMIT_PER_REQUEST_ROWS = 64
 
 
 class RowReader:
@@ -51,11 +62,62 @@ class RowReader:
         direct = plan.direct
         if direct.size == 0:
             return {}
-        rows = layout.rows[direct]
+        emitted_rows = None
+        if len(direct) <= EMIT_PER_REQUEST_MAX:
+            emitted_rows = self._emitted_rows_per_request(layout.rows, plan)
+        if emitted_rows is None:
+            emitted_rows = self._emitted_rows_vectorized(layout.rows, plan)
+        index, counts, starts = emitted_rows
+        emitted = self._gather(index)
+        ids = layout.request_ids
+        names = ids if len(direct) == len(ids) else [ids[i] for i in direct.tolist()]
+        if counts.count(counts[0]) == len(counts):
+            # Equal counts: one reshape splits the array (measured in bench/RESULTS.md).
+            views = list(emitted.reshape(len(counts), counts[0], *self._shape))
+        else:
+            ends = list(itertools.accumulate(counts))
+            views = [emitted[end - count : end] for end, count in zip(ends, counts)]
+        return dict(zip(names, map(AuxRequestOutput, starts, views)))
+
+    def _emitted_rows_per_request(
+        self, rows: np.ndarray, plan: CommitPlan
+    ) -> tuple[np.ndarray, list[int], list[int]] | None:
+        """Arena rows (int64) of the ``plan.direct`` requests' emitted rows, their counts and
+        emit starts, worked out over Python ints: for a few short emits this costs less than
+        numpy's per-call overhead (``bench/RESULTS.md``). None for more than
+        ``EMIT_PER_REQUEST_ROWS`` rows."""
+        B = self._block_size
+        width = self._table.ring_width
+        ring = self._table.ring
+        table_rows = rows.tolist()
+        emit_starts = plan.emit_starts.tolist()
+        token_ends = plan.token_ends.tolist()
+        direct = plan.direct.tolist()
+        starts = [emit_starts[i] for i in direct]
+        counts = [token_ends[i] - emit_starts[i] for i in direct]
+        if sum(counts) > EMIT_PER_REQUEST_ROWS:
+            return None
+        index: list[int] = []
+        for i, position, count in zip(direct, starts, counts):
+            row, end = table_rows[i], position + count
+            while position < end:
+                # A run of rows inside one block is a run of arena rows.
+                block = position // B
+                stop = min(end, block * B + B)
+                first = ring.item(row, block % width) * B + position - block * B
+                index.extend(range(first, first + stop - position))
+                position = stop
+        return np.array(index, np.int64), counts, starts
+
+    def _emitted_rows_vectorized(
+        self, rows: np.ndarray, plan: CommitPlan
+    ) -> tuple[np.ndarray, list[int], list[int]]:
+        """``_emitted_rows_per_request`` with vector operations over the requests."""
+        direct = plan.direct
+        rows = rows[direct]
         starts = plan.emit_starts[direct]
         counts = plan.token_ends[direct] - starts
-        uniform = np.count_nonzero(counts != counts[0]) == 0
-        if uniform and counts[0] == 1:
+        if np.count_nonzero(counts != 1) == 0:
             # One row per request (decode): the expansion below is the identity.
             row_of, positions = rows, starts
         else:
@@ -63,16 +125,8 @@ class RowReader:
             row_of = np.repeat(rows, counts)
             positions = np.arange(int(counts.sum()), dtype=np.int64)
             positions += np.repeat(starts - first, counts)
-        emitted = self._gather(self._table.arena_rows(row_of, positions, self._block_size))
-        ids = layout.request_ids
-        names = ids if len(direct) == len(ids) else [ids[i] for i in direct.tolist()]
-        if uniform:
-            # Equal counts: one reshape splits the array (measured in bench/RESULTS.md).
-            views = list(emitted.reshape(len(direct), int(counts[0]), *self._shape))
-        else:
-            ends = np.cumsum(counts).tolist()
-            views = [emitted[a - c : a] for a, c in zip(ends, counts.tolist())]
-        return dict(zip(names, map(AuxRequestOutput, starts.tolist(), views)))
+        index = self._table.arena_rows(row_of, positions, self._block_size)
+        return index, counts.tolist(), starts.tolist()
 
     def materialize(self, request_id: str, row: int, emit_start: int, token_end: int) -> np.ndarray:
         """Rows ``emit_start .. token_end`` of a request whose capture started later: stored

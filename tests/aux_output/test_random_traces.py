@@ -14,7 +14,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from r3capture.aux_output import step_commit
+from r3capture.aux_output import row_reader, step_commit
 from sim import (
     make_trace,
     make_vllm_worker,
@@ -49,15 +49,23 @@ def test_random_trace_schedulers_agree_and_match_oracle(seed, vllm_first):
 
 
 @SETTINGS
-@given(seed=SEEDS, device_rejections=st.booleans(), vectorized_commit=st.booleans())
-def test_random_trace_workers_byte_identical(seed, device_rejections, vectorized_commit):
+@given(seed=SEEDS, device_rejections=st.booleans(), vector_operations=st.booleans())
+def test_random_trace_workers_byte_identical(seed, device_rejections, vector_operations):
     # These traces' steps are small: the per-request loops (the step commit, the test for
-    # new slots) take them all unless the vector operations are forced.
+    # new slots, the emitted rows) take most of them unless the vector operations are forced.
     trace = random_trace(seed)
     ref = run_trace(trace, make_vllm_worker, catch_errors=True, check=False)
     factory = r3capture_worker_factory(kernel_impl="reference", pass_num_rejected=device_rejections)
-    limit = 0 if vectorized_commit else step_commit.PER_REQUEST_MAX
-    with mock.patch.object(step_commit, "PER_REQUEST_MAX", limit):
+    with (
+        mock.patch.object(
+            step_commit, "PER_REQUEST_MAX", 0 if vector_operations else step_commit.PER_REQUEST_MAX
+        ),
+        mock.patch.object(
+            row_reader,
+            "EMIT_PER_REQUEST_MAX",
+            0 if vector_operations else row_reader.EMIT_PER_REQUEST_MAX,
+        ),
+    ):
         got = run_trace(trace, factory, catch_errors=True, check=False)
     assert diff_results(ref, got) is None, diff_results(ref, got)
     assert ref.error is None, ref.error
