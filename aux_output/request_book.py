@@ -277,7 +277,10 @@ class RequestBook:
         # Copy emitted rows out before any slot can be bound (and later reused).
         outputs = self._reader.emit(layout, plan)
         # Publish the whole step before materializing: a hit may need a block from it.
-        self._publisher.publish(layout.rows)
+        if plan.completing is None:
+            self._publisher.publish(layout.rows)
+        elif len(plan.completing):
+            self._publisher.publish(layout.rows[plan.completing])
         self._publisher.flush()
         for i in plan.materialize.tolist():
             request_id = layout.request_ids[i]

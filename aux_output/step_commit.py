@@ -79,6 +79,11 @@ class CommitPlan:
     direct: np.ndarray  # requests whose returned rows all come from this step
     materialize: np.ndarray  # requests whose returned rows start before their capture start
     rows_written: int  # rows the kernel wrote for the step (its step_info; 0 without one)
+    # Requests whose accepted rows complete at least one hash block: only their blocks can
+    # have become ready to publish (a key arriving publishes in the key work). None from the
+    # vector commit: any request may, and publication's own test over the step picks them
+    # (for a large step, narrowing first costs more numpy calls than it saves).
+    completing: np.ndarray | None
 
 
 # Steps of at most this many requests are committed by the per-request loop, and
@@ -129,7 +134,7 @@ def _commit_per_request(
     emit_starts = table.emit[rows].tolist()
     placed = step_info.tolist() if step_info is not None else None
     capture_starts, token_ends, new_emits, new_scheduled = [], [], [], []
-    direct, materialize = [], []
+    direct, materialize, completing = [], [], []
     rows_written = 0
     for i in range(num_reqs):
         start, n, r, cursor = starts[i], bounds[i + 1] - bounds[i], rejected[i], cursors[i]
@@ -153,6 +158,8 @@ def _commit_per_request(
                 return None
             rows_written += written
         end = capture + accepted
+        if end // block_size > capture // block_size:
+            completing.append(i)
         emit = emit_starts[i]
         capture_starts.append(capture)
         token_ends.append(end)
@@ -171,6 +178,7 @@ def _commit_per_request(
         np.array(direct, np.int64),
         np.array(materialize, np.int64),
         rows_written,
+        np.array(completing, np.int64),
     )
 
 
@@ -219,7 +227,9 @@ def _commit_vectorized(
     table.cursor[rows] = token_ends
     table.scheduled[rows] = starts + num_tokens
     table.emit[rows] = np.where(emits, token_ends, emit_starts)
-    return CommitPlan(capture_starts, token_ends, emit_starts, direct, materialize, rows_written)
+    return CommitPlan(
+        capture_starts, token_ends, emit_starts, direct, materialize, rows_written, None
+    )
 
 
 def _raise_first_error(

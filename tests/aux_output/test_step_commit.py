@@ -63,6 +63,9 @@ def test_reattach_after_rejection_and_emit_split():
     assert plan.capture_starts.tolist() == [8, 10, 16]
     assert plan.token_ends.tolist() == [9, 12, 19]
     assert plan.direct.tolist() == [0, 1] and plan.materialize.tolist() == [2]
+    if plan.completing is not None:  # the per-request loop's
+        # Only r1's rows (10..12) complete a block (8..12); r0 and r2 stay inside theirs.
+        assert plan.completing.tolist() == [1]
     rows = step.rows
     assert table.cursor[rows].tolist() == [9, 12, 19]
     assert table.scheduled[rows].tolist() == [9, 16, 19]
@@ -178,7 +181,13 @@ def test_per_request_and_vectorized_commits_agree(seed, mechanism, monkeypatch):
         monkeypatch.setattr(step_commit, "PER_REQUEST_MAX", limit)
         try:
             plan = commit_step(step, table, sampled, rejected, placed, block_size=B)
-            outcome = [np.asarray(getattr(plan, f)).tolist() for f in plan.__dataclass_fields__]
+            if plan.completing is not None:
+                # The loop names the requests that complete a block; the vector commit
+                # leaves that test to publication.
+                crossed = plan.token_ends // B > plan.capture_starts // B
+                assert plan.completing.tolist() == crossed.nonzero()[0].tolist()
+            fields = [f for f in plan.__dataclass_fields__ if f != "completing"]
+            outcome = [np.asarray(getattr(plan, f)).tolist() for f in fields]
         except AuxOutputProtocolError as exc:
             outcome = str(exc)
         state = [c[step.rows].tolist() for c in (table.cursor, table.scheduled, table.emit)]
