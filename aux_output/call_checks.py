@@ -18,6 +18,7 @@ import numpy as np
 import torch
 
 _METADATA_FIELDS = ("generation", "requests", "block_hashes", "finished_requests")
+_INT64_MAX = 2**63 - 1
 
 
 def checked_emit_starts(
@@ -65,6 +66,12 @@ def checked_emit_starts(
             raise ValueError(
                 f"metadata.requests has a negative emit start: "
                 f"{ {k: v for k, v in requests.items() if v < 0} }"
+            )
+        if emit_starts.dtype == np.uint64 and max(requests.values()) > _INT64_MAX:
+            # numpy reads 2**63 .. 2**64 - 1 as uint64; the cursors are int64.
+            raise ValueError(
+                f"metadata.requests has an emit start beyond int64: "
+                f"{ {k: v for k, v in requests.items() if v > _INT64_MAX} }"
             )
     if type(block_hashes) is not dict and not isinstance(block_hashes, Mapping):
         raise TypeError(f"metadata.block_hashes must be a dict, got {type(block_hashes).__name__}")

@@ -125,7 +125,17 @@ def _same_outputs(left: dict, right: dict) -> bool:
 PACKED_OK = PackedBlockHashes(bytes(8), 8)
 METADATA_CORRUPTIONS = {
     "generation": [1.5, True, "0", None, -1],
-    "requests": [None, [("b", 3)], {"b": 1.5}, {"b": "3"}, {"b": -1}, {"b": None}],
+    "requests": [
+        None,
+        [("b", 3)],
+        {"b": 1.5},
+        {"b": "3"},
+        {"b": -1},
+        {"b": None},
+        {"b": True},
+        {"b": 2**63},
+        {"b": np.uint64(2**63)},
+    ],
     "block_hashes": [
         None,
         {"zz": PACKED_OK},
@@ -161,6 +171,18 @@ def test_malformed_metadata_is_named_and_changes_nothing(field_and_value):
     assert len(worker.store) == len(twin.store) and worker.store.eviction_order() == (
         twin.store.eviction_order()
     )
+
+
+@pytest.mark.parametrize("emit_start", [2**63, np.uint64(2**64 - 1)], ids=repr)
+def test_emit_start_beyond_int64_is_refused(emit_start):
+    # numpy reads these as uint64; cast to the int64 cursors they became negative.
+    worker, twin = make_worker(), make_worker()
+    assert _same_outputs(_first_step(worker), _first_step(twin))
+    bad = _as_namespace(meta({"b": 3}))
+    bad.requests = {"b": emit_start}
+    with pytest.raises(ValueError, match="metadata.requests has an emit start beyond int64"):
+        worker.begin_step(bad)
+    assert _same_outputs(_second_step(worker), _second_step(twin))
 
 
 @pytest.mark.parametrize("bad", [None, {"requests": {}}, "metadata", 3], ids=repr)
