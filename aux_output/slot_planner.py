@@ -39,15 +39,16 @@ class SlotPlanner:
             # A few requests: Python ints beat numpy's per-call cost (as in the commit).
             ends = self._table.end[rows].tolist()
             bounds = qsl.tolist()
-            grow = [
-                i
-                for i, start in enumerate(starts.tolist())
-                if (start + bounds[i + 1] - bounds[i] - 1) // B >= ends[i]
-            ]
-            if not grow:
+            grow_rows, firsts, lasts = [], [], []
+            for i, (row, start) in enumerate(zip(rows.tolist(), starts.tolist())):
+                last = (start + bounds[i + 1] - bounds[i] - 1) // B
+                if last >= ends[i]:
+                    grow_rows.append(row)
+                    firsts.append(start // B)
+                    lasts.append(last + self.lookahead_blocks)
+            if not grow_rows:
                 return None
-            grow = np.array(grow)
-            lasts = (starts[grow] + qsl[grow + 1] - qsl[grow] - 1) // B
+            grow_rows, firsts, lasts = (np.array(x, np.int64) for x in (grow_rows, firsts, lasts))
         else:
             lasts = starts + qsl[1:]
             lasts -= qsl[:-1]
@@ -56,10 +57,9 @@ class SlotPlanner:
             grow = (lasts >= self._table.end[rows]).nonzero()[0]
             if not grow.size:
                 return None
-            lasts = lasts[grow]
-        return self._table.take_slots(
-            rows[grow], starts[grow] // B, lasts + self.lookahead_blocks, self._allocate
-        )
+            grow_rows, firsts, lasts = rows[grow], starts[grow] // B, lasts[grow]
+            lasts += self.lookahead_blocks
+        return self._table.take_slots(grow_rows, firsts, lasts, self._allocate)
 
     def _allocate(self, n: int) -> np.ndarray:
         """``n`` unbound slots (int64). ``max_num_seqs`` bounds the requests of a step, not
