@@ -5,6 +5,11 @@ rows reach past that block takes slots for the blocks it needs plus ``LOOKAHEAD_
 so most decode and speculative steps need none and change no ring entry. Slots come from the
 store's producer reserve, which grows rather than fails when requests outside the step
 (preempted ones) hold more than it was sized for.
+
+Steps of up to ``PER_REQUEST_MAX`` requests are tested over Python ints, and when at most
+``FEW_GROWING`` of them grow (a prefill chunk, a new prefix hit) the table takes their slots
+request by request; larger steps use the table's vector pass. Each path's measured win is in
+``bench/RESULTS.md`` (fast paths).
 """
 
 from __future__ import annotations
@@ -18,6 +23,9 @@ from r3capture.store import BlockStore
 
 # How far past its scheduled rows a request's slots reach when it takes new ones.
 LOOKAHEAD_TOKENS = 256
+# Steps where at most this many requests grow take their slots request by request (a
+# prefill chunk, a new prefix hit): ~4 numpy calls each against ~30 for the vector pass.
+FEW_GROWING = 4
 
 
 class SlotPlanner:
@@ -48,6 +56,8 @@ class SlotPlanner:
                     lasts.append(last + self.lookahead_blocks)
             if not grow_rows:
                 return None
+            if len(grow_rows) <= FEW_GROWING:
+                return self._table.take_slots_per_request(grow_rows, firsts, lasts, self._allocate)
             grow_rows, firsts, lasts = (np.array(x, np.int64) for x in (grow_rows, firsts, lasts))
         else:
             lasts = starts + qsl[1:]
