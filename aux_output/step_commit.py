@@ -87,7 +87,7 @@ class CommitPlan:
 
 
 # Steps of at most this many requests are committed by the per-request loop, and
-# ``RequestBook`` tests which of them need new slots with one too.
+# ``SlotPlanner`` tests which of them need new slots with one too.
 PER_REQUEST_MAX = 32
 
 
