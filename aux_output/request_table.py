@@ -181,10 +181,7 @@ class RequestTable:
         too_wide = lasts + 1 - bases > width
         if too_wide.any():
             i = int(np.argmax(too_wide))
-            raise OverflowError(
-                f"a request needs {int(lasts[i] + 1 - bases[i])} unbound hash blocks, more "
-                f"than the slot ring holds ({width})"
-            )
+            raise _ring_overflow(int(lasts[i] + 1 - bases[i]), width)
         counts = lasts + 1 - starts
         slots = allocate(int(counts.sum()))
         row_of, block = _block_runs(rows, starts, counts)
@@ -220,10 +217,7 @@ class RequestTable:
             old_end = end.item(row)
             row_base = first if old_end == 0 else base.item(row)
             if last + 1 - row_base > width:
-                raise OverflowError(
-                    f"a request needs {last + 1 - row_base} unbound hash blocks, more "
-                    f"than the slot ring holds ({width})"
-                )
+                raise _ring_overflow(last + 1 - row_base, width)
             bases.append(row_base)
             starts.append(first if old_end == 0 else old_end)
         counts = [last + 1 - start for start, last in zip(starts, lasts)]
@@ -275,6 +269,13 @@ class RequestTable:
 
 
 _EMPTY_KEYS = np.empty((0, KEY_WORDS), np.uint64)
+
+
+def _ring_overflow(needed: int, width: int) -> OverflowError:
+    """The error both slot-taking mechanisms raise for a request needing ``needed`` blocks."""
+    return OverflowError(
+        f"a request needs {needed} unbound hash blocks, more than the slot ring holds ({width})"
+    )
 
 
 def _block_runs(
