@@ -177,9 +177,9 @@ class RequestBook:
             return table.rows(ids, cache="scheduled")
         except KeyError:
             capacity = table.capacity
-            for request_id in ids:
-                if request_id not in table.index:
-                    table.add(request_id, requests[request_id])
+            index = table.index
+            new = [request_id for request_id in ids if request_id not in index]
+            table.add_many(new, [requests[request_id] for request_id in new])
             if table.capacity != capacity:
                 self._detached = True  # the table grew: its ring is a new array
             return table.rows(ids, cache="scheduled")

@@ -68,6 +68,7 @@ class RequestTable:
             array = np.zeros(capacity, np.int64)
             array[:old] = getattr(self, name)
             setattr(self, name, array)
+        self.cursor[old:] = NO_CURSOR
         finished = np.zeros(capacity, bool)
         finished[:old] = self.finished
         self.finished = finished
@@ -81,18 +82,27 @@ class RequestTable:
 
     # ---------------------------------------------------------------- membership
     def add(self, request_id: str, emit_start: int) -> int:
-        if not self._free_rows:
-            self._grow(2 * self._capacity)
-        row = self._free_rows.pop()
-        self.index[request_id] = row
+        """``add_many`` for one request; returns its row."""
+        return int(self.add_many([request_id], [emit_start])[0])
+
+    def add_many(self, request_ids: Sequence[str], emit_starts: Sequence[int]) -> np.ndarray:
+        """Give each new (distinct, not yet present) request a row with emit cursor
+        ``emit_starts[i]``; returns the rows (int64 ``[n]``).
+
+        Free rows are kept in the fresh state (no cursor, nothing scheduled, no blocks, no
+        keys, not finished; ``remove`` restores it), so adding writes only the emit column.
+        """
+        n = len(request_ids)
+        free = self._free_rows
+        if len(free) < n:
+            self._grow(max(2 * self._capacity, self._capacity + n - len(free)))
+        taken = free[len(free) - n :][::-1]  # last freed, first taken
+        del free[len(free) - n :]
+        self.index.update(zip(request_ids, taken))
         self.version += 1
-        self.cursor[row] = NO_CURSOR
-        self.emit[row] = emit_start
-        self.scheduled[row] = self.base[row] = self.end[row] = 0
-        self.num_keys[row] = 0
-        self.finished[row] = False
-        self._keys[row] = _EMPTY_KEYS
-        return row
+        rows = np.array(taken, np.int64)
+        self.emit[rows] = emit_starts
+        return rows
 
     def rows(self, request_ids: list[str], cache: str = "") -> np.ndarray:
         """int64 row of each id; ``KeyError`` names an id without state.
@@ -113,10 +123,15 @@ class RequestTable:
         """Drop requests; returns their unbound slots (int64) for the caller to free."""
         rows = [self.index.pop(request_id) for request_id in request_ids]
         self.version += 1
-        slots = self.unbound_slots(np.asarray(rows, np.int64))
+        taken = np.asarray(rows, np.int64)
+        slots = self.unbound_slots(taken)
         for row in rows:
             self._keys[row] = _EMPTY_KEYS
-            self.base[row] = self.end[row] = self.num_keys[row] = 0
+        # Back to the fresh state ``add_many`` relies on.
+        self.cursor[taken] = NO_CURSOR
+        self.scheduled[taken] = self.emit[taken] = 0
+        self.base[taken] = self.end[taken] = self.num_keys[taken] = 0
+        self.finished[taken] = False
         self._free_rows.extend(rows)
         return slots
 

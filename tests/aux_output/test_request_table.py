@@ -136,7 +136,7 @@ def test_keys_grow_and_release_tail_first_in_row_order():
 def test_removed_rows_are_reused_fresh_and_version_bumps(take):
     table = RequestTable(ring_width=4)
     a = table.add("a", 5)
-    table.cursor[a] = 9
+    table.cursor[a], table.scheduled[a], table.finished[a] = 9, 12, True
     table.add_keys([a], keys(1), [1])
     take(table, [a], [0], [1], [3, 4])
     version = table.version
@@ -144,8 +144,9 @@ def test_removed_rows_are_reused_fresh_and_version_bumps(take):
     assert table.version > version and "a" not in table.index
     again = table.add("c", 2)
     assert again == a
-    assert (table.cursor[again], table.emit[again], table.num_keys[again]) == (NO_CURSOR, 2, 0)
-    assert table.end[again] == 0 and len(table.release_order([again])) == 0
+    fresh = (table.cursor, table.scheduled, table.emit, table.base, table.end, table.num_keys)
+    assert [int(column[again]) for column in fresh] == [NO_CURSOR, 0, 2, 0, 0, 0]
+    assert not table.finished[again] and len(table.release_order([again])) == 0
     with pytest.raises(KeyError):
         table.rows(["a"])
 
@@ -157,3 +158,19 @@ def test_clear_frees_every_unbound_slot_in_add_order(take):
     assert table.live_rows().tolist() == rows
     assert table.clear().tolist() == [7, 8, 9, 6]
     assert len(table) == 0
+
+
+def test_add_many_takes_fresh_rows_and_grows_past_double():
+    table = RequestTable(ring_width=2, capacity=2)
+    first = table.add("a", 1)
+    table.cursor[first] = 7
+    table.remove(["a"])
+    names = [f"r{i}" for i in range(9)]  # more than twice the capacity at once
+    rows = table.add_many(names, list(range(10, 19)))
+    assert rows.dtype == np.int64 and len(set(rows.tolist())) == 9
+    assert table.capacity >= 9 and first in rows.tolist()  # the freed row is reused
+    assert table.rows(names).tolist() == rows.tolist()
+    assert table.emit[rows].tolist() == list(range(10, 19))
+    assert (table.cursor[rows] == NO_CURSOR).all() and not table.finished[rows].any()
+    assert (table.end[rows] == 0).all() and (table.num_keys[rows] == 0).all()
+    assert table.add_many([], []).tolist() == [] and len(table) == 9
