@@ -225,7 +225,17 @@ class RequestBook:
                 raise input_batch_error(exc) from None
         ring_updates = self._slots.take_slots(layout)
         if self._detached:
-            self._attach()  # taking slots grew the store
+            # Taking slots grew the store: new launches for the new arena, and the step's
+            # shape from them (it carries the slot count the reference kernel checks).
+            self._attach()
+            if layout.request_ids:
+                shape = device_side.check_step(
+                    query_start_loc,
+                    positions,
+                    num_rejected,
+                    num_reqs=len(layout.rows),
+                    num_rows=num_rows,
+                )
         launched = device_side.launch(
             table_row=layout.rows,
             ring_updates=ring_updates,

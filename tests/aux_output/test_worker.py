@@ -490,3 +490,28 @@ def test_requests_waiting_outside_the_batch_grow_the_slot_reserve_instead_of_fai
         assert out[name].token_start == 3
         assert np.array_equal(out[name].rows, routes(seed, 3, 1).astype(np.uint8))
     worker.close()
+
+
+def test_a_launch_that_grows_the_arena_writes_rows_into_its_new_slots():
+    """Taking slots can grow the store's arena in the middle of a launch; the step's rows
+    that land in slots past the old arena must be written there, not refused."""
+    worker = make_worker()
+    store, planner = worker.store, worker._book._slots
+    beyond_old_arena = []
+    allocate = planner._allocate
+
+    def watched_allocate(n):
+        physical = store.arena.shape[0]
+        slots = allocate(n)
+        beyond_old_arena.append(int(slots.max()) >= physical)
+        return slots
+
+    planner._allocate = watched_allocate
+    for step in range(3):  # four new requests a step; the earlier ones keep their slots
+        names = [f"s{step}r{i}" for i in range(4)]
+        out = run_step(worker, meta({n: 0 for n in names}), [(n, step * 4 + i, 0, 3) for i, n in
+                                                             enumerate(names)])  # fmt: skip
+        for i, name in enumerate(names):
+            assert np.array_equal(out[name].rows, routes(step * 4 + i, 0, 3).astype(np.uint8))
+    assert any(beyond_old_arena), "no launch took slots past the arena it started with"
+    worker.close()
