@@ -5,8 +5,10 @@ pins) is needed by nothing the next launch does: only publication, prefix-cache 
 teardown use keys, and those run in ``process_output``. So ``RequestBook.begin`` records it
 (``StepKeyWork``) and ``KeyWorkQueue`` applies it, in step order, first thing in the next
 commit on the output thread, or at once when a teardown or a prefix-cache reset needs every
-key. Applying a step's work makes the same store call ``begin_step`` would have made, so the
-store sees vLLM 0.33.0's sequence of calls.
+key. The teardown of requests that finish with no step in flight is recorded the same way:
+their keys are released and their slots freed in step order, off the main thread. Applying
+a step's work makes the same store call ``begin_step`` would have made, so the store sees
+vLLM 0.33.0's sequence of calls.
 """
 
 from __future__ import annotations
@@ -56,15 +58,20 @@ class KeyWorkQueue:
         self._table = table
         self._publisher = publisher
         self._queued: list[StepKeyWork] = []
+        # Requests whose teardown is recorded and not yet applied: gone for the scheduler.
+        self.tearing_down: set[str] = set()
 
     def record(self, work: StepKeyWork) -> None:
         self._queued.append(work)
+        if work.finishing:
+            self.tearing_down.update(work.finishing)
 
     def apply_all(self) -> None:
         """Apply the work of every step recorded since the last call, oldest first."""
         queued, self._queued = self._queued, []
         for work in queued:
             self.apply(work)
+        self.tearing_down.clear()
 
     def apply(self, work: StepKeyWork) -> None:
         """One step's work: its new keys join their requests, and one store call is queued:

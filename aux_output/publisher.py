@@ -9,7 +9,7 @@ updates.
 
 ``publish`` decides on the spot which blocks leave the request table, but only queues the
 store call; ``flush`` applies the queued calls in order, on the output thread (a step's key
-work publishes there too, ``key_work.py``; only a teardown or reset in ``begin_step``
+work publishes there too, ``key_work.py``; only a prefix-cache reset in ``begin_step``
 publishes on the main thread), as vLLM's store work waits for its writer thread; whoever
 reads the store flushes first.
 """

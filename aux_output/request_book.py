@@ -1,7 +1,7 @@
 """Request and block bookkeeping of the worker's data plane (numpy and the store; no locks).
 
-``RequestBook`` applies the scheduler's metadata (rows for new requests, teardown; the
-step's key work of new block hashes and pins is recorded for the output thread,
+``RequestBook`` applies the scheduler's metadata (rows for new requests; the step's key
+work of new block hashes, pins and teardown is recorded for the output thread,
 ``key_work.py``), launches each step after taking the slots it needs (only requests that
 enter a new hash block get them, ``LOOKAHEAD_TOKENS`` ahead, ``slot_planner.py``;
 everything else is already in the device slot ring), and commits processed steps (recorded
@@ -81,7 +81,7 @@ class RequestBook:
         if output_pool_bytes is None:
             output_pool_bytes = envs.output_pool_bytes()
         output_pool_bytes = require_int("output_pool_bytes", output_pool_bytes, minimum=0)
-        self._slots = SlotPlanner(self.table, self.store, B)
+        self._slots = SlotPlanner(self.table, self.store, B, self._free_finished)
         self._publisher = Publisher(self.store, self.table, B)
         self._key_work = KeyWorkQueue(self.table, self._publisher)
         self._reader = RowReader(
@@ -126,12 +126,15 @@ class RequestBook:
         """Apply a step's metadata (checked, with its emit starts as int64 ``[R]``).
 
         What the next launch needs happens now: rows for new requests, the emit-cursor check,
-        a prefix-cache reset, the teardown of finished requests with no step in flight. The
-        step's key work (new block hashes become store keys, the scheduler's pins, their
+        a prefix-cache reset. The step's key work (new block hashes become store keys, the
+        scheduler's pins, the teardown of finished requests with no step in flight, their
         store call) is only recorded, and applied by the next ``commit`` on the output
-        thread, or first thing when a later step's teardown or reset needs every key.
+        thread, or first thing when a later reset needs every key.
         """
         table = self.table
+        tearing_down = self._key_work.tearing_down
+        if tearing_down and not tearing_down.isdisjoint(metadata.requests):
+            self._key_work.apply_all()  # a finished request's id returns as a new request
         # Pins named by the scheduler belong to the namespace it had before any bump.
         work = StepKeyWork(
             metadata.retained_block_hashes, metadata.released_block_hashes, self.generation
@@ -161,12 +164,25 @@ class RequestBook:
                     self._deferred += 1  # torn down by the last of its steps in flight
                 else:
                     work.finishing.append(request_id)
-        if work.finishing or work.releases:
-            # Teardown and reset need every key now (and free slots the next launch may use).
+        if work.releases:
+            # A reset releases every key now; the work recorded before it goes first.
             self._key_work.apply_all()
             self._key_work.apply(work)
-        elif work.rows or work.pins_retained or work.pins_released:
+        elif work.rows or work.pins_retained or work.pins_released or work.finishing:
             self._key_work.record(work)
+
+    def _free_finished(self) -> bool:
+        """Apply the recorded key work now if it tears requests down (their slots return
+        to the reserve); whether it did."""
+        if not self._key_work.tearing_down:
+            return False
+        self._key_work.apply_all()
+        return True
+
+    def is_tracked(self, request_id: str) -> bool:
+        """Whether ``request_id`` has state here (as in vLLM: a finished request whose
+        teardown waits for its steps in flight has, one whose teardown is recorded has not)."""
+        return request_id in self.table.index and request_id not in self._key_work.tearing_down
 
     def _rows_adding(self, requests: dict[str, int]) -> np.ndarray:
         """Table rows (int64 ``[R]``) of the scheduled requests; new ones are added with
@@ -190,6 +206,9 @@ class RequestBook:
         request_ids, starts, qsl = checked_batch_arrays(
             input_batch, self.sizing.max_num_seqs, self.sizing.max_num_batched_tokens
         )
+        tearing_down = self._key_work.tearing_down
+        if tearing_down and not tearing_down.isdisjoint(request_ids):
+            self._key_work.apply_all()  # the batch names a request that is gone: KeyError
         rows = self.table.rows(request_ids, cache="batch")
         if rows is not self._checked_rows:
             if len(set(request_ids)) != len(request_ids):

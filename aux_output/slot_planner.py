@@ -3,8 +3,10 @@
 A request's slots cover its hash blocks up to ``RequestTable.end``. A step whose scheduled
 rows reach past that block takes slots for the blocks it needs plus ``LOOKAHEAD_TOKENS`` more,
 so most decode and speculative steps need none and change no ring entry. Slots come from the
-store's producer reserve, which grows rather than fails when requests outside the step
-(preempted ones) hold more than it was sized for.
+store's producer reserve. When it runs short, the teardown recorded for the output thread
+is applied first (it frees the finished requests' slots); the reserve grows rather than
+fails only when requests outside the step (preempted ones) still hold more than it was
+sized for.
 
 Steps of up to ``PER_REQUEST_MAX`` requests are tested over Python ints, and when at most
 ``FEW_GROWING`` of them grow (a prefill chunk, a new prefix hit) the table takes their slots
@@ -13,6 +15,8 @@ request by request; larger steps use the table's vector pass. Each path's measur
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import numpy as np
 
@@ -28,19 +32,40 @@ LOOKAHEAD_TOKENS = 256
 FEW_GROWING = 4
 
 
-class SlotPlanner:
-    """Slot taking for the launches of one request table and store (main thread)."""
+class _SlotsFreed(Exception):
+    """Raised by ``_allocate`` (before any change) after recorded teardown freed slots."""
 
-    def __init__(self, table: RequestTable, store: BlockStore, block_size: int) -> None:
+
+class SlotPlanner:
+    """Slot taking for the launches of one request table and store (main thread).
+
+    ``free_finished()`` applies teardown that is recorded but not yet applied and returns
+    whether there was any: the reserve grows only when that frees too few slots.
+    """
+
+    def __init__(
+        self,
+        table: RequestTable,
+        store: BlockStore,
+        block_size: int,
+        free_finished: Callable[[], bool],
+    ) -> None:
         self._table = table
         self._store = store
         self._block_size = block_size
+        self._free_finished = free_finished
         self.lookahead_blocks = -(-LOOKAHEAD_TOKENS // block_size)
 
     def take_slots(self, layout: StepLayout) -> tuple[np.ndarray, np.ndarray] | None:
         """New slots for the step's requests whose scheduled rows reach past their last block
         with a slot (and ``LOOKAHEAD_TOKENS`` beyond); returns the ring entries that changed
         (``RequestTable.take_slots``), or None when none did."""
+        try:
+            return self._take_slots(layout)
+        except _SlotsFreed:
+            return self._take_slots(layout)
+
+    def _take_slots(self, layout: StepLayout) -> tuple[np.ndarray, np.ndarray] | None:
         B = self._block_size
         rows, starts, qsl = layout.rows, layout.token_starts, layout.query_start_loc
         if len(rows) <= step_commit.PER_REQUEST_MAX:
@@ -79,5 +104,8 @@ class SlotPlanner:
         store = self._store
         short = store.num_unbound + n - store.reserve_slots
         if short > 0:
+            if self._free_finished():
+                # Both slot-taking mechanisms call this before changing anything: plan again.
+                raise _SlotsFreed
             store.grow_reserve(max(short, store.reserve_slots))
         return store.allocate(n)

@@ -3,9 +3,9 @@
 Per step (same call order and threads as vLLM's ``AuxOutputWorkerConnector``):
 
 1. ``begin_step(metadata)`` (main thread): the metadata is checked, new requests get table
-   rows, finished requests with no step in flight are torn down; the step's key work (new
-   block hashes, the scheduler's pins, their store call) is recorded for the output thread
-   (``RequestBook.begin``, ``key_work.py``).
+   rows; the step's key work (new block hashes, the scheduler's pins, the teardown of
+   finished requests with no step in flight, their store call) is recorded for the output
+   thread (``RequestBook.begin``, ``key_work.py``).
 2. ``prepare_output(input_batch)`` (main thread): the batch's device inputs are checked,
    requests that enter a new hash block get slots (``LOOKAHEAD_TOKENS`` ahead,
    ``slot_planner.py``), and only those ring entries change; one kernel launch writes every
@@ -159,7 +159,7 @@ class TritonAuxOutputWorker:
         with self._lock:
             # Under the lock: the output thread's teardown edits the request table.
             emit_starts = checked_emit_starts(
-                metadata, self._book.table.index.__contains__, self._book.generation
+                metadata, self._book.is_tracked, self._book.generation
             )
             self._step_metadata = metadata
             if metadata.finished_requests:

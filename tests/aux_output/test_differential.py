@@ -173,6 +173,13 @@ def _play(handle, script):
     return outputs, None
 
 
+_A_RUNS_THEN_FINISHES = [
+    ("begin", _meta({"a": 0}, {"a": [1]})),
+    ("prepare", [("a", 0, 3, 0)], [0]),
+    ("process",),
+    ("begin", _meta({}, finished=("a",))),
+]
+
 SCRIPTS = {
     "run_and_finish_in_one_step": [("begin", _meta({"a": 0}, finished=("a",)))],
     "generation_moves_backwards": [
@@ -224,6 +231,21 @@ SCRIPTS = {
         ("prepare", [("a", 0, 2, 0), ("b", 0, 2, 0)], [0, 0]),
     ],
     "finish_unknown_request": [("begin", _meta({}, finished=("zz",)))],
+    # A request that finishes with no step in flight is gone at once for the scheduler,
+    # however late its teardown runs.
+    "hashes_for_a_finished_request": [
+        *_A_RUNS_THEN_FINISHES,
+        ("begin", _meta({}, {"a": [9]})),
+    ],
+    "finish_a_finished_request_again": [
+        *_A_RUNS_THEN_FINISHES,
+        ("begin", _meta({}, finished=("a",))),
+    ],
+    "finished_request_in_batch": [
+        *_A_RUNS_THEN_FINISHES,
+        ("begin", _meta({"b": 0})),
+        ("prepare", [("b", 0, 2, 0), ("a", 3, 1, 3)], [0, 0]),
+    ],
 }
 
 
@@ -270,6 +292,32 @@ def test_scripted_reattach_after_rejection_matches():
     assert results[0][1] is None, results[0][1]
     assert results[1] == results[0]
     assert [list(o) for o in results[0][0]] == [["a"], ["a"], ["a"]]
+
+
+def test_finished_request_id_scheduled_again_starts_afresh():
+    """A request finishes with no step in flight; its id returns as a new request (its
+    teardown may not have run yet): fresh state and outputs as vLLM's."""
+    script = [
+        ("begin", _meta({"a": 0, "b": 0}, {"a": [1], "b": [2]})),
+        ("prepare", [("a", 0, 5, 0), ("b", 0, 4, 0)], [0, 0]),
+        ("process",),
+        ("begin", _meta({"b": 4}, finished=("a",))),
+        ("prepare", [("b", 4, 1, 4)], [0]),
+        ("begin", _meta({"a": 0, "b": 4}, {"a": [3]})),
+        ("prepare", [("a", 0, 6, 0), ("b", 5, 1, 5)], [0, 0]),
+        ("process",),
+        ("process",),
+    ]
+    results = []
+    for make in (make_vllm_worker, lambda s: make_r3capture_worker(s, kernel_impl="reference")):
+        handle = make(SIZES)
+        try:
+            results.append(_play(handle, script))
+        finally:
+            handle.close()
+    assert results[0][1] is None, results[0][1]
+    assert results[1] == results[0]
+    assert [sorted(o) for o in results[0][0]] == [["a", "b"], ["b"], ["a", "b"]]
 
 
 def test_non_output_rank_and_missing_metadata_skip_the_data_plane():

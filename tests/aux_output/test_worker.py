@@ -515,3 +515,21 @@ def test_a_launch_that_grows_the_arena_writes_rows_into_its_new_slots():
             assert np.array_equal(out[name].rows, routes(step * 4 + i, 0, 3).astype(np.uint8))
     assert any(beyond_old_arena), "no launch took slots past the arena it started with"
     worker.close()
+
+
+def test_finished_requests_free_their_slots_before_the_reserve_grows():
+    """Teardown of requests that finish with no step in flight is recorded for the output
+    thread; a launch that runs short of reserve slots applies it first, so a batch that
+    replaces a finished one does not grow the store."""
+    worker = make_worker()
+    reserve = worker.store.reserve_slots
+    for step in range(3):
+        names = [f"s{step}r{i}" for i in range(4)]
+        out = run_step(worker, meta({n: 0 for n in names}), [(n, step * 4 + i, 0, 3) for i, n in
+                                                             enumerate(names)])  # fmt: skip
+        for i, name in enumerate(names):
+            assert np.array_equal(out[name].rows, routes(step * 4 + i, 0, 3).astype(np.uint8))
+        worker.begin_step(meta({}, finished=names))
+        assert worker.num_active_requests() == 4  # recorded, not yet applied
+    assert worker.store.reserve_slots == reserve
+    worker.close()
