@@ -174,3 +174,39 @@ def test_add_many_takes_fresh_rows_and_grows_past_double():
     assert (table.cursor[rows] == NO_CURSOR).all() and not table.finished[rows].any()
     assert (table.end[rows] == 0).all() and (table.num_keys[rows] == 0).all()
     assert table.add_many([], []).tolist() == [] and len(table) == 9
+
+
+@pytest.mark.parametrize("seed", range(100))
+def test_unbound_slots_per_request_and_vectorized_agree(seed, monkeypatch):
+    """Both mechanisms of ``unbound_slots`` return the same slots in the same order, on
+    random rings that wrap, hand blocks over and hold none."""
+    from r3capture.aux_output import request_table
+
+    rng = np.random.default_rng(seed)
+    width = int(rng.integers(2, 9))
+    table = RequestTable(ring_width=width, capacity=4)
+    rows = [table.add(f"r{i}", 0) for i in range(6)]
+    next_slot = 0
+
+    def allocate(n):
+        nonlocal next_slot
+        next_slot += n
+        return np.arange(next_slot - n, next_slot, dtype=np.int64)
+
+    for _ in range(8):
+        row = int(rng.choice(rows))
+        held = int(table.end[row] - table.base[row])
+        if held and rng.random() < 0.4:
+            table.take_leading(np.array([row]), np.array([int(rng.integers(1, held + 1))]))
+        elif held < width:
+            first = int(table.end[row]) if table.end[row] else int(rng.integers(0, 20))
+            last = int(table.base[row] if table.end[row] else first) + int(rng.integers(0, width))
+            if last >= first:
+                table.take_slots_per_request([row], [first], [last], allocate)
+    chosen = np.asarray(rng.permutation(rows)[: int(rng.integers(1, 7))], np.int64)
+    results = []
+    for few in (0, 100):
+        monkeypatch.setattr(request_table, "FEW_ROWS", few)
+        results.append(table.unbound_slots(chosen).tolist())
+    assert results[0] == results[1]
+    assert sum(int(table.end[r] - table.base[r]) for r in chosen if table.end[r]) == len(results[0])
