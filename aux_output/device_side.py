@@ -47,6 +47,22 @@ def pick_destination(requested: str, device: torch.device) -> str:
     return requested
 
 
+def device_upload(
+    dst: torch.Tensor,
+    src: torch.Tensor,
+    ring_flat: torch.Tensor,
+    index: torch.Tensor | None,
+    values: torch.Tensor | None,
+) -> None:
+    """The device work of one upload: copy the packed host buffer ``src`` into ``dst`` and,
+    when ring entries changed, scatter ``values`` into ``ring_flat`` at ``index`` (int32, on
+    the device). Two asynchronous launches on a GPU; CPU tensor operations on a CPU device,
+    where ``bench/stand_ins.py`` counts them as launches like the kernel."""
+    dst.copy_(src, non_blocking=True)
+    if index is not None:
+        ring_flat.index_put_((index,), values)
+
+
 @dataclass
 class LaunchedStep:
     """What one launch left in flight: its buffer index and, once copied, its host results."""
@@ -213,14 +229,16 @@ class DeviceSide:
         host[: len(table_row)] = table_row
         host[at : at + num_updates] = flat
         host[values_at : values_at + num_updates] = values
-        # The whole buffer: its table rows hold this step's, whatever the other buffer held.
-        self._upload_dev.copy_(self._upload_host[index], non_blocking=True)
         self._uploaded_rows = table_row
-        if num_updates:
-            self._ring_flat.index_put_(
-                (self._upload_dev[at : at + num_updates],),
-                self._upload_dev[values_at : values_at + num_updates],
-            )
+        dev = self._upload_dev
+        # The whole buffer: its table rows hold this step's, whatever the other buffer held.
+        device_upload(
+            dev,
+            self._upload_host[index],
+            self._ring_flat,
+            dev[at : at + num_updates] if num_updates else None,
+            dev[values_at : values_at + num_updates] if num_updates else None,
+        )
 
     def copy_back(self, step: LaunchedStep) -> None:
         """Start the copies of ``step``'s results into pinned host memory (copy stream)."""

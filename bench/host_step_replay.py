@@ -16,8 +16,9 @@ same calls and measures each one:
 * Inputs are built before the loop (metadata objects of vLLM's own classes, input batches,
   numpy arrays, the device ``num_rejected`` tensor); rows go into the capture buffer and
   vLLM's snapshot cast is made outside the timed calls; r3capture's kernel (its torch
-  reference on a CPU) is excluded from the call that launches it. Both sides pay one
-  launch stand-in per launch instead (``bench/stand_ins.py``).
+  reference on a CPU) and the device half of its slot-ring uploads are excluded from the
+  call that launches them. Both sides pay one launch stand-in per launch instead
+  (``bench/stand_ins.py``).
 * The garbage collector is off during a replay; young objects are collected after every
   call, outside the timed calls.
 * Every ``process_output``'s outputs are digested (``sim.recording.digest_outputs``); the

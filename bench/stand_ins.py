@@ -19,6 +19,11 @@ reference), and its time says nothing about a GPU host. So neither side's emulat
   added to ``excluded_*``, which the harness subtracts from the enclosing call, and
   ``launch_stand_in()`` runs once per launch, inside the enclosing call's time. Everything
   the launch does on the host before the kernel (the per-step argument checks) counts.
+  The same goes for the device half of a slot-ring upload (``UPLOAD_BINDING``: the
+  host-to-device copy and the scatter into the device ring, two launches on a GPU, CPU
+  tensor operations here): excluded, one stand-in per copy and per scatter. The host
+  half (packing the changed entries into the pinned buffer) counts. r3capture's copies
+  back (``enqueue_cpu_copy``) run as real, tiny CPU copies and count.
 
 ``launch_stand_in`` is one tiny torch op (a 64-element int32 -> uint8 copy): the fixed cost of
 entering torch's dispatcher for one operation, which is what a launch costs the host thread
@@ -64,6 +69,8 @@ def measure(calls: int = 5000) -> dict[str, float]:
 
 # The kernel's CPU emulation, which GatherPackLaunch imports when it is called.
 KERNEL_BINDINGS = (("r3capture.kernels.reference", "gather_pack_reference_checked"),)
+# The device half of a slot-ring upload (copy, then scatter when entries changed).
+UPLOAD_BINDING = ("r3capture.aux_output.device_side", "device_upload")
 
 
 def kernel_binding() -> tuple[ModuleType, str]:
@@ -82,20 +89,37 @@ def kernel_binding() -> tuple[ModuleType, str]:
 
 
 class KernelStandIn:
-    """Context manager: r3capture's kernel call, its time excluded, plus one stand-in launch.
+    """Context manager: r3capture's device work (the kernel, and each slot-ring upload's copy
+    and scatter) runs with its time excluded, plus one stand-in launch per device operation.
 
     ``excluded_wall_ns`` / ``excluded_cpu_ns`` accumulate the wrapped calls' time;
-    ``launches`` counts them.
+    ``launches`` counts kernel launches, ``upload_ops`` the uploads' copies and scatters.
     """
 
     def __init__(self) -> None:
         self.excluded_wall_ns = 0
         self.excluded_cpu_ns = 0
         self.launches = 0
-        self._binding: tuple[ModuleType, str, Any] | None = None
+        self.upload_ops = 0
+        self._bindings: list[tuple[ModuleType, str, Any]] = []
 
     def __enter__(self) -> KernelStandIn:
         module, attr = kernel_binding()
+        self._wrap(module, attr, self._count_launch)
+        module = importlib.import_module(UPLOAD_BINDING[0])
+        self._wrap(module, UPLOAD_BINDING[1], self._count_upload)
+        return self
+
+    def _count_launch(self, *args: Any, **kwargs: Any) -> int:
+        self.launches += 1
+        return 1
+
+    def _count_upload(self, dst: Any, src: Any, ring: Any, index: Any, values: Any) -> int:
+        ops = 1 if index is None else 2
+        self.upload_ops += ops
+        return ops
+
+    def _wrap(self, module: ModuleType, attr: str, count: Any) -> None:
         original = getattr(module, attr)
         wall, cpu = time.perf_counter_ns, time.thread_time_ns
 
@@ -107,18 +131,16 @@ class KernelStandIn:
                 c1, w1 = cpu(), wall()
                 self.excluded_wall_ns += w1 - w0
                 self.excluded_cpu_ns += c1 - c0
-                self.launches += 1
-                launch_stand_in()
+                for _ in range(count(*args, **kwargs)):
+                    launch_stand_in()
 
-        self._binding = (module, attr, original)
+        self._bindings.append((module, attr, original))
         setattr(module, attr, stand_in)
-        return self
 
     def __exit__(self, *exc: object) -> None:
-        if self._binding is not None:
-            module, attr, original = self._binding
+        while self._bindings:
+            module, attr, original = self._bindings.pop()
             setattr(module, attr, original)
-            self._binding = None
 
 
 class DeviceSnapshot:
@@ -164,6 +186,7 @@ class SnapshotStandIn:
 
 __all__ = [
     "KERNEL_BINDINGS",
+    "UPLOAD_BINDING",
     "DeviceSnapshot",
     "KernelStandIn",
     "SnapshotStandIn",

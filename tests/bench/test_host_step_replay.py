@@ -16,6 +16,7 @@ from bench import stand_ins
 from bench.host_step_families import FAMILIES
 from bench.host_step_replay import CALLS, KINDS, replay, step_kinds
 from bench.stand_ins import KernelStandIn, SnapshotStandIn, kernel_binding
+from r3capture.aux_output import device_side
 from sim import make_trace, run_trace, vllm_scheduler
 from sim.recording import PREPARE, Recording, record_trace
 
@@ -65,35 +66,46 @@ def test_replay_reports_a_broken_connector_as_different_digests(monkeypatch):
     assert times.digests != recording.digests
 
 
-def test_kernel_stand_in_excludes_the_kernel(monkeypatch):
-    """A deliberately slow kernel (50 ms of CPU per launch) shows up in r3capture's
-    prepare_output without the stand-in and not with it."""
-    recording = record_trace(make_trace("spec_decode", seed=0))
-    module, attr = kernel_binding()
-    real = getattr(module, attr)
-    slow_ns = 50_000_000
-
-    def slow_kernel(*args, **kwargs):
+def _slow(function, slow_ns):
+    def slow(*args, **kwargs):
         end = time.thread_time_ns() + slow_ns
         while time.thread_time_ns() < end:
             pass
-        return real(*args, **kwargs)
+        return function(*args, **kwargs)
 
+    return slow
+
+
+def test_kernel_stand_in_excludes_the_device_work(monkeypatch):
+    """A deliberately slow kernel and slot-ring upload (50 ms of CPU per call) show up in
+    r3capture's prepare_output without the stand-in and not with it."""
+    recording = record_trace(make_trace("spec_decode", seed=0))
+    slow_ns = 50_000_000
+    module, attr = kernel_binding()
+    slow_kernel = _slow(getattr(module, attr), slow_ns)
     monkeypatch.setattr(module, attr, slow_kernel)
+    uploads = []
+    slow_upload = _slow(device_side.device_upload, slow_ns)
+    monkeypatch.setattr(
+        device_side, "device_upload", lambda *a: uploads.append(a[3] is not None) or slow_upload(*a)
+    )
     forward = [e[1] for e in recording.events if e[0] == PREPARE]
     prepare = CALLS.index("prepare_output")
 
     plain = replay(recording, "r3capture")
     assert plain.digests == recording.digests
     assert (plain.calls[prepare, forward, 1] >= slow_ns).all()
+    assert uploads and any(uploads), "the trace never changed a ring entry"
 
+    uploads.clear()
     with KernelStandIn() as exclusion:
         excluded = replay(recording, "r3capture", exclusion=exclusion)
         assert getattr(module, attr) is not slow_kernel
     assert getattr(module, attr) is slow_kernel
     assert excluded.digests == recording.digests
     assert excluded.launches == len(forward)
-    assert excluded.excluded_cpu_ns >= slow_ns * len(forward)
+    assert exclusion.upload_ops == len(uploads) + sum(uploads)
+    assert excluded.excluded_cpu_ns >= slow_ns * (len(forward) + len(uploads))
     main = excluded.calls[:3, :, :].sum(axis=0)  # [steps, (wall, cpu)]
     assert (main[:, 1] < slow_ns // 5).all(), main[:, 1].max()
     assert np.median(main[:, 0]) < slow_ns // 5
