@@ -73,6 +73,14 @@ class KeyWorkQueue:
             self.apply(work)
         self.tearing_down.clear()
 
+    def apply_teardown(self) -> bool:
+        """Apply the recorded work now if it tears requests down (their slots return to the
+        store's reserve); whether it did."""
+        if not self.tearing_down:
+            return False
+        self.apply_all()
+        return True
+
     def apply(self, work: StepKeyWork) -> None:
         """One step's work: its new keys join their requests, and one store call is queued:
         bind the blocks now complete and keyed, retain the pins and the new keys, release

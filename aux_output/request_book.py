@@ -31,7 +31,7 @@ from r3capture.aux_output.sizing import WorkerSizing, require_int
 from r3capture.aux_output.slot_planner import LOOKAHEAD_TOKENS, SlotPlanner
 from r3capture.aux_output.step_commit import StepLayout, commit_step
 from r3capture.aux_output.types import AuxOutputConnectorMetadata, AuxRequestOutput
-from r3capture.kernels import GatherPackArgumentError
+from r3capture.kernels import GatherPackArgumentError, GatherPackShape
 from r3capture.store import BlockStore
 
 
@@ -81,9 +81,9 @@ class RequestBook:
         if output_pool_bytes is None:
             output_pool_bytes = envs.output_pool_bytes()
         output_pool_bytes = require_int("output_pool_bytes", output_pool_bytes, minimum=0)
-        self._slots = SlotPlanner(self.table, self.store, B, self._free_finished)
         self._publisher = Publisher(self.store, self.table, B)
         self._key_work = KeyWorkQueue(self.table, self._publisher)
+        self._slots = SlotPlanner(self.table, self.store, B, self._key_work.apply_teardown)
         self._reader = RowReader(
             self.store,
             self.table,
@@ -171,14 +171,6 @@ class RequestBook:
         elif work.rows or work.pins_retained or work.pins_released or work.finishing:
             self._key_work.record(work)
 
-    def _free_finished(self) -> bool:
-        """Apply the recorded key work now if it tears requests down (their slots return
-        to the reserve); whether it did."""
-        if not self._key_work.tearing_down:
-            return False
-        self._key_work.apply_all()
-        return True
-
     def is_tracked(self, request_id: str) -> bool:
         """Whether ``request_id`` has state here (as in vLLM: a finished request whose
         teardown waits for its steps in flight has, one whose teardown is recorded has not)."""
@@ -224,38 +216,25 @@ class RequestBook:
         """Check the batch's device inputs (``query_start_loc`` ``[>= R+1]``, ``positions``
         ``[>= num_rows]``, 1-D, on the device), give the step's requests the slots they need
         and launch the kernel. A refused input changes nothing."""
-        device_side = self.device_side
         if self._detached:
             self._attach()
         num_rows = int(layout.query_start_loc[-1])
-        query_start_loc = positions = shape = None
+        device_inputs = (None, None, None)
         if layout.request_ids:
-            query_start_loc = getattr(input_batch, "query_start_loc", None)
-            positions = getattr(input_batch, "positions", None)
-            try:
-                shape = device_side.check_step(
-                    query_start_loc,
-                    positions,
-                    num_rejected,
-                    num_reqs=len(layout.rows),
-                    num_rows=num_rows,
-                )
-            except GatherPackArgumentError as exc:
-                raise input_batch_error(exc) from None
+            device_inputs = (
+                getattr(input_batch, "query_start_loc", None),
+                getattr(input_batch, "positions", None),
+                num_rejected,
+            )
+        shape = self._checked_shape(layout, device_inputs, num_rows)
         ring_updates = self._slots.take_slots(layout)
         if self._detached:
             # Taking slots grew the store: new launches for the new arena, and the step's
             # shape from them (it carries the slot count the reference kernel checks).
             self._attach()
-            if layout.request_ids:
-                shape = device_side.check_step(
-                    query_start_loc,
-                    positions,
-                    num_rejected,
-                    num_reqs=len(layout.rows),
-                    num_rows=num_rows,
-                )
-        launched = device_side.launch(
+            shape = self._checked_shape(layout, device_inputs, num_rows)
+        query_start_loc, positions, num_rejected = device_inputs
+        launched = self.device_side.launch(
             table_row=layout.rows,
             ring_updates=ring_updates,
             shape=shape,
@@ -266,6 +245,20 @@ class RequestBook:
         )
         self._in_flight.append(layout)
         return launched
+
+    def _checked_shape(
+        self, layout: StepLayout, device_inputs: tuple[Any, Any, Any], num_rows: int
+    ) -> GatherPackShape | None:
+        """The launcher's check of ``(query_start_loc, positions, num_rejected)``; None for a
+        step without requests. A refused input raises the error naming ``input_batch``."""
+        if not layout.request_ids:
+            return None
+        try:
+            return self.device_side.check_step(
+                *device_inputs, num_reqs=len(layout.rows), num_rows=num_rows
+            )
+        except GatherPackArgumentError as exc:
+            raise input_batch_error(exc) from None
 
     def _attach(self) -> None:
         """Make the device ring a mirror of the host ring again (both are replaced when the

@@ -39,7 +39,7 @@ class _SlotsFreed(Exception):
 class SlotPlanner:
     """Slot taking for the launches of one request table and store (main thread).
 
-    ``free_finished()`` applies teardown that is recorded but not yet applied and returns
+    ``apply_teardown()`` applies teardown that is recorded but not yet applied and returns
     whether there was any: the reserve grows only when that frees too few slots.
     """
 
@@ -48,12 +48,12 @@ class SlotPlanner:
         table: RequestTable,
         store: BlockStore,
         block_size: int,
-        free_finished: Callable[[], bool],
+        apply_teardown: Callable[[], bool],
     ) -> None:
         self._table = table
         self._store = store
         self._block_size = block_size
-        self._free_finished = free_finished
+        self._apply_teardown = apply_teardown
         self.lookahead_blocks = -(-LOOKAHEAD_TOKENS // block_size)
 
     def take_slots(self, layout: StepLayout) -> tuple[np.ndarray, np.ndarray] | None:
@@ -104,7 +104,7 @@ class SlotPlanner:
         store = self._store
         short = store.num_unbound + n - store.reserve_slots
         if short > 0:
-            if self._free_finished():
+            if self._apply_teardown():
                 # Both slot-taking mechanisms call this before changing anything: plan again.
                 raise _SlotsFreed
             store.grow_reserve(max(short, store.reserve_slots))
