@@ -4,9 +4,10 @@ What ``begin_step`` learns about keys (new block hashes of running requests, the
 pins) is needed by nothing the next launch does: only publication, prefix-cache reads and
 teardown use keys, and those run in ``process_output``. So ``RequestBook.begin`` records it
 (``StepKeyWork``) and ``KeyWorkQueue`` applies it, in step order, first thing in the next
-commit on the output thread, or at once when a teardown or a prefix-cache reset needs every
-key. The teardown of requests that finish with no step in flight is recorded the same way:
-their keys are released and their slots freed in step order, off the main thread. Applying
+commit on the output thread, or at once when a prefix-cache reset needs every key. The
+teardown of requests that finish with no step in flight is recorded the same way: their
+keys are released and their slots freed in step order, off the main thread (at once only
+when a launch runs short of reserve slots, or a finished id is named again). Applying
 a step's work makes the same store call ``begin_step`` would have made, so the store sees
 vLLM 0.33.0's sequence of calls.
 """
