@@ -173,6 +173,18 @@ def _play(handle, script):
     return outputs, None
 
 
+def _play_on_both(script):
+    """``_play`` on vLLM 0.33.0's worker, then on r3capture's: ``[vLLM's, r3capture's]``."""
+    results = []
+    for make in (make_vllm_worker, lambda s: make_r3capture_worker(s, kernel_impl="reference")):
+        handle = make(SIZES)
+        try:
+            results.append(_play(handle, script))
+        finally:
+            handle.close()
+    return results
+
+
 _A_RUNS_THEN_FINISHES = [
     ("begin", _meta({"a": 0}, {"a": [1]})),
     ("prepare", [("a", 0, 3, 0)], [0]),
@@ -252,13 +264,7 @@ SCRIPTS = {
 @pytest.mark.parametrize("case", sorted(SCRIPTS))
 def test_protocol_violation_same_error(case):
     script = SCRIPTS[case]
-    results = []
-    for make in (make_vllm_worker, lambda s: make_r3capture_worker(s, kernel_impl="reference")):
-        handle = make(SIZES)
-        try:
-            results.append(_play(handle, script))
-        finally:
-            handle.close()
+    results = _play_on_both(script)
     (ref_out, ref_err), (got_out, got_err) = results
     assert ref_err is not None, f"{case}: vLLM accepted the script"
     assert got_err is not None, f"{case}: r3capture accepted what vLLM rejects: {ref_err}"
@@ -282,13 +288,7 @@ def test_scripted_reattach_after_rejection_matches():
         ("process",),
         ("process",),
     ]
-    results = []
-    for make in (make_vllm_worker, lambda s: make_r3capture_worker(s, kernel_impl="reference")):
-        handle = make(SIZES)
-        try:
-            results.append(_play(handle, script))
-        finally:
-            handle.close()
+    results = _play_on_both(script)
     assert results[0][1] is None, results[0][1]
     assert results[1] == results[0]
     assert [list(o) for o in results[0][0]] == [["a"], ["a"], ["a"]]
@@ -308,13 +308,7 @@ def test_finished_request_id_scheduled_again_starts_afresh():
         ("process",),
         ("process",),
     ]
-    results = []
-    for make in (make_vllm_worker, lambda s: make_r3capture_worker(s, kernel_impl="reference")):
-        handle = make(SIZES)
-        try:
-            results.append(_play(handle, script))
-        finally:
-            handle.close()
+    results = _play_on_both(script)
     assert results[0][1] is None, results[0][1]
     assert results[1] == results[0]
     assert [sorted(o) for o in results[0][0]] == [["a", "b"], ["b"], ["a", "b"]]

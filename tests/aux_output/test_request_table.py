@@ -5,6 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from r3capture.aux_output import request_table
 from r3capture.aux_output.request_table import NO_CURSOR, RequestTable
 from r3capture.store import KEY_WORDS
 
@@ -13,6 +14,18 @@ def keys(*values: int) -> np.ndarray:
     rows = np.zeros((len(values), KEY_WORDS), np.uint64)
     rows[:, 1] = values
     return rows
+
+
+def _consecutive_slots():
+    """An ``allocate(n)`` that hands out slots 0, 1, 2, ... in order (int64)."""
+    taken = 0
+
+    def allocate(n):
+        nonlocal taken
+        taken += n
+        return np.arange(taken - n, taken, dtype=np.int64)
+
+    return allocate
 
 
 @pytest.fixture(params=["vectorized", "per_request"])
@@ -82,13 +95,7 @@ def test_per_request_and_vectorized_slot_taking_agree(seed):
         step_rng = np.random.default_rng(seed)
         table = RequestTable(ring_width=width, capacity=4)
         rows = [table.add(f"r{i}", 0) for i in range(6)]
-        next_slot = 0
-
-        def allocate(n):
-            nonlocal next_slot
-            next_slot += n
-            return np.arange(next_slot - n, next_slot, dtype=np.int64)
-
+        allocate = _consecutive_slots()
         outcomes = []
         for _ in range(6):
             chosen = step_rng.choice(rows, size=int(step_rng.integers(1, 5)), replace=False)
@@ -180,19 +187,11 @@ def test_add_many_takes_fresh_rows_and_grows_past_double():
 def test_unbound_slots_per_request_and_vectorized_agree(seed, monkeypatch):
     """Both mechanisms of ``unbound_slots`` return the same slots in the same order, on
     random rings that wrap, hand blocks over and hold none."""
-    from r3capture.aux_output import request_table
-
     rng = np.random.default_rng(seed)
     width = int(rng.integers(2, 9))
     table = RequestTable(ring_width=width, capacity=4)
     rows = [table.add(f"r{i}", 0) for i in range(6)]
-    next_slot = 0
-
-    def allocate(n):
-        nonlocal next_slot
-        next_slot += n
-        return np.arange(next_slot - n, next_slot, dtype=np.int64)
-
+    allocate = _consecutive_slots()
     for _ in range(8):
         row = int(rng.choice(rows))
         held = int(table.end[row] - table.base[row])
