@@ -265,27 +265,30 @@ class RequestTable:
         arrays) over to the store: returns their slots (int64, row by row, block order) and
         advances ``base``."""
         bases = self.base[rows]
-        row_of, block = _block_runs(rows, bases, counts)
+        slots = self._window_slots(rows, bases, counts)
         self.base[rows] = bases + counts
-        return self.ring[row_of, block % self.ring_width].astype(np.int64)
+        return slots
 
     def unbound_slots(self, rows: np.ndarray) -> np.ndarray:
         """Slots (int64) of the unbound blocks of ``rows``, row by row."""
+        base = self.base[rows]
+        return self._window_slots(rows, base, np.maximum(self.end[rows] - base, 0))
+
+    def _window_slots(self, rows: np.ndarray, firsts: np.ndarray, counts: np.ndarray) -> np.ndarray:
+        """Slots (int64) of blocks ``firsts[i] .. firsts[i] + counts[i] - 1`` of each
+        ``rows[i]`` (int64 arrays; the blocks must lie in the row's ring), row by row."""
         if len(rows) <= FEW_ROWS:
-            # A teardown of a few requests: one or two ring slices each, over Python ints,
-            # instead of ~10 numpy calls (bench/RESULTS.md, fast paths).
+            # A publication or teardown of a few requests: one or two ring slices each, over
+            # Python ints, instead of ~10 numpy calls (bench/RESULTS.md, fast paths).
             width, ring = self.ring_width, self.ring
             parts = [_NO_SLOTS]
-            for row in rows.tolist():
-                base = self.base.item(row)
-                count = max(self.end.item(row) - base, 0)
-                column = base % width
+            for row, first, count in zip(rows.tolist(), firsts.tolist(), counts.tolist()):
+                column = first % width
                 parts.append(ring[row, column : min(column + count, width)])
                 if column + count > width:  # wrapped past the last ring column
                     parts.append(ring[row, : column + count - width])
             return np.concatenate(parts).astype(np.int64, copy=False)
-        base = self.base[rows]
-        row_of, block = _block_runs(rows, base, np.maximum(self.end[rows] - base, 0))
+        row_of, block = _block_runs(rows, firsts, counts)
         return self.ring[row_of, block % self.ring_width].astype(np.int64)
 
     def arena_rows(self, rows: np.ndarray, positions: np.ndarray, block_size: int) -> np.ndarray:
@@ -298,7 +301,7 @@ class RequestTable:
 
 _EMPTY_KEYS = np.empty((0, KEY_WORDS), np.uint64)
 _NO_SLOTS = np.empty(0, np.int64)
-# Up to this many rows, ``unbound_slots`` slices each row's ring instead of vectorizing.
+# Up to this many rows, ``_window_slots`` slices each row's ring instead of vectorizing.
 FEW_ROWS = 4
 
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from copy import deepcopy
+
 import numpy as np
 import pytest
 
@@ -184,9 +186,10 @@ def test_add_many_takes_fresh_rows_and_grows_past_double():
 
 
 @pytest.mark.parametrize("seed", range(100))
-def test_unbound_slots_per_request_and_vectorized_agree(seed, monkeypatch):
-    """Both mechanisms of ``unbound_slots`` return the same slots in the same order, on
-    random rings that wrap, hand blocks over and hold none."""
+def test_window_slots_per_request_and_vectorized_agree(seed, monkeypatch):
+    """Both mechanisms behind ``unbound_slots`` and ``take_leading`` return the same slots in
+    the same order and leave the same bases, on random rings that wrap, hand blocks over and
+    hold none."""
     rng = np.random.default_rng(seed)
     width = int(rng.integers(2, 9))
     table = RequestTable(ring_width=width, capacity=4)
@@ -203,9 +206,17 @@ def test_unbound_slots_per_request_and_vectorized_agree(seed, monkeypatch):
             if last >= first:
                 table.take_slots_per_request([row], [first], [last], allocate)
     chosen = np.asarray(rng.permutation(rows)[: int(rng.integers(1, 7))], np.int64)
+    held = np.maximum(table.end[chosen] - table.base[chosen], 0)
+    handed = np.asarray([int(rng.integers(0, h + 1)) for h in held.tolist()], np.int64)
     results = []
     for few in (0, 100):
         monkeypatch.setattr(request_table, "FEW_ROWS", few)
-        results.append(table.unbound_slots(chosen).tolist())
+        copy = deepcopy(table)
+        unbound = copy.unbound_slots(chosen).tolist()
+        leading = copy.take_leading(chosen, handed).tolist()
+        results.append((unbound, leading, copy.base.tolist(), copy.unbound_slots(chosen).tolist()))
     assert results[0] == results[1]
-    assert sum(int(table.end[r] - table.base[r]) for r in chosen if table.end[r]) == len(results[0])
+    unbound, leading, _, rest = results[0]
+    assert len(unbound) == held.sum() and len(leading) == handed.sum()
+    # Row by row, the handed-over blocks are the leading part of what was unbound.
+    assert sorted(leading + rest) == sorted(unbound)
