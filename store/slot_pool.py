@@ -6,7 +6,11 @@ never-used slots (from ``next_slot`` up) come after. Slots handed out by ``alloc
 *unbound* until the producer binds or frees them: they are never evicted or handed out twice.
 
 A list and a set, not numpy arrays: a step hands a few slots back and forth, and the set
-algebra runs in C at any size, where numpy's fixed cost per call would dominate.
+algebra runs in C at any size, where numpy's fixed cost per call would dominate. The one
+exception is ``allocate``, which the worker calls on the thread that launches the forward,
+for up to a whole prefill chunk of slots: it returns a (read-only) numpy array built from a
+range, and the set learns of those slots only when the next ``check_unbound`` or ``settle``
+needs it, on the thread that binds them.
 """
 
 from __future__ import annotations
@@ -22,10 +26,13 @@ class SlotPool:
         self._free: list[int] = []
         self._next_slot = 0
         self._unbound: set[int] = set()
+        # Arrays handed out by ``allocate`` and not yet added to ``_unbound``, with their size.
+        self._allocated: list[np.ndarray] = []
+        self._num_allocated = 0
 
     @property
     def num_unbound(self) -> int:
-        return len(self._unbound)
+        return len(self._unbound) + self._num_allocated
 
     def grow(self, physical: int) -> None:
         """The arena now has ``physical`` slots (more than before)."""
@@ -49,10 +56,32 @@ class SlotPool:
         return slots
 
     def allocate(self, n: int) -> np.ndarray:
-        """Take ``n`` slots and mark them unbound; ``int64 [n]``."""
-        slots = self.take(n)
-        self._unbound.update(slots)
-        return np.array(slots, dtype=np.int64)
+        """Take ``n`` slots (as ``take`` would) and mark them unbound; ``int64 [n]``,
+        read-only."""
+        free = self._free
+        reused = min(n, len(free))
+        start = self._next_slot
+        self._next_slot = start + n - reused
+        assert self._next_slot <= self.physical, "arena overcommitted"
+        # Never-used slots by one arange, freed ones written over its head.
+        slots = np.arange(start - reused, self._next_slot, dtype=np.int64)
+        if reused:
+            slots[:reused] = free[len(free) - reused :]
+            del free[len(free) - reused :]
+        slots.flags.writeable = False
+        self._allocated.append(slots)
+        self._num_allocated += n
+        return slots
+
+    def _note_allocated(self) -> set[int]:
+        """The unbound set, with every slot ``allocate`` handed out since the last call."""
+        unbound = self._unbound
+        if self._allocated:
+            for slots in self._allocated:
+                unbound.update(slots.tolist())
+            self._allocated.clear()
+            self._num_allocated = 0
+        return unbound
 
     def check_unbound(self, slots: object) -> list[int]:
         """``slots`` as a list after checking they are distinct unbound slots; ``ValueError``
@@ -62,8 +91,9 @@ class SlotPool:
             raise ValueError(f"slots: expected a 1-D integer array, got {arr.shape} {arr.dtype}")
         given = arr.tolist()
         distinct = set(given)
-        if not distinct <= self._unbound:
-            raise ValueError(f"slots: {sorted(distinct - self._unbound)} are not unbound slots "
+        unbound = self._note_allocated()
+        if not distinct <= unbound:
+            raise ValueError(f"slots: {sorted(distinct - unbound)} are not unbound slots "
                              "from allocate()")  # fmt: skip
         if len(distinct) != len(given):
             raise ValueError(f"slots: each slot may appear once, got {given}")
@@ -71,4 +101,4 @@ class SlotPool:
 
     def settle(self, slots: list[int]) -> None:
         """Checked unbound ``slots`` are bound or freed: they leave the producer."""
-        self._unbound.difference_update(slots)
+        self._note_allocated().difference_update(slots)

@@ -432,6 +432,28 @@ def test_allocate_bind_free_lifecycle():
     np.testing.assert_array_equal(store.allocate(1), held[:1])  # the freed slot comes back
 
 
+def test_allocate_mixes_freed_and_fresh_slots_in_take_order():
+    """Freed slots come back first (the last freed run, in the order it was freed), then
+    never-used ones; the array is read-only, and its slots are unbound for bind and free
+    before any other call."""
+    store = make(capacity=4, reserve=6)
+    first = store.allocate(4)
+    store.free(first[1:3])
+    again = store.allocate(4)
+    np.testing.assert_array_equal(again, [1, 2, 4, 5])
+    assert store.num_unbound == 6
+    with pytest.raises(ValueError, match="read-only"):
+        again[0] = 0
+    with pytest.raises(ValueError, match="each slot may appear once"):
+        store.free(np.array([3, 3]))
+    with pytest.raises(ValueError, match=r"\[6\] are not unbound"):
+        store.free(np.array([6]))
+    store.free(again[2:])
+    store.free(first[[0, 3]])
+    assert store.num_unbound == 2
+    np.testing.assert_array_equal(store.allocate(3), [5, 0, 3])  # the last run freed, in order
+
+
 def test_allocate_beyond_reserve_raises():
     store = make(capacity=2, reserve=3)
     store.allocate(2)
