@@ -6,7 +6,7 @@ Per step, on the thread that launches the forward (no host synchronization, no a
    entering a new hash block) the host packs the step's table rows and the changed entries of
    the slot ring into one pinned buffer (one per step in flight); one asynchronous copy moves
    it to the device and one scatter applies the ring entries. A steady decode step of a small
-   batch usually changes nothing and skips both;
+   batch usually changes nothing and skips both, and so does a step without requests;
 2. one ``gather_pack`` launch, validated once at construction (``GatherPackLaunch``), reads
    the batch's own device ``query_start_loc`` and ``positions`` and writes every accepted
    row: straight into the pinned store arena (``direct``), or into device staging in
@@ -207,7 +207,8 @@ class DeviceSide:
         num_reqs = len(table_row)
         index = self._next
         self._next = (index + 1) % self._depth
-        if ring_updates is not None or table_row is not self._uploaded_rows:
+        # A step without requests launches nothing, so the device needs none of its rows.
+        if ring_updates is not None or (num_reqs and table_row is not self._uploaded_rows):
             self._upload(index, table_row, ring_updates)
         step = LaunchedStep(index, num_reqs, num_rows)
         if num_reqs:

@@ -117,6 +117,28 @@ def test_prefill_then_speculative_decode(destination):
     worker.close()
 
 
+def test_a_step_without_requests_uploads_nothing(monkeypatch):
+    """An empty step launches no kernel, so it moves nothing to the device; the steps around
+    it still write their rows."""
+    from r3capture.aux_output import device_side
+
+    uploads = []
+    upload = device_side.device_upload
+    monkeypatch.setattr(
+        device_side, "device_upload", lambda *args: (uploads.append(1), upload(*args))
+    )
+    worker = make_worker()
+    out = run_step(worker, meta({"a": 0}), [("a", 1, 0, 3)])
+    assert np.array_equal(out["a"].rows, routes(1, 0, 3).astype(np.uint8))
+    assert len(uploads) == 1
+    assert run_step(worker, meta({}), []) == {}
+    assert len(uploads) == 1
+    out = run_step(worker, meta({"a": 3}), [("a", 1, 3, 1)])
+    assert np.array_equal(out["a"].rows, routes(1, 3, 1).astype(np.uint8))
+    assert len(uploads) == 2  # looked up afresh after the empty step, so sent again
+    worker.close()
+
+
 def test_emitted_rows_do_not_alias_reused_slots():
     worker = make_worker(max_bytes=B * ROW_BYTES * 2)
     out = run_step(worker, meta({"a": 0}, {"a": hashes(1, range(1))}), [("a", 1, 0, 4)])
