@@ -356,13 +356,14 @@ class BlockStore:
             return
         if m != len(rows):
             blocks = blocks[admitted.positions]
-        slots = self._pool.take(m)
+        taken = self._pool.take(m)
+        slots = taken.tolist()
         self._ledger.assign(admitted.keys, slots)
         first = slots[0]
         if slots[-1] - first == m - 1 and slots == list(range(first, first + m)):
             self._space.np[first : first + m] = blocks
         else:
-            self._space.np[np.array(slots, dtype=np.int64)] = blocks
+            self._space.np[taken] = blocks
 
     def _admit(self, rows: np.ndarray, retain_keys: Keys, release_keys: Keys) -> Admission:
         """The ledger's admission of one publication, after which the arena has room for

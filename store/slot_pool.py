@@ -7,10 +7,11 @@ never-used slots (from ``next_slot`` up) come after. Slots handed out by ``alloc
 
 A list and a set, not numpy arrays: a step hands a few slots back and forth, and the set
 algebra runs in C at any size, where numpy's fixed cost per call would dominate. The one
-exception is ``allocate``, which the worker calls on the thread that launches the forward,
-for up to a whole prefill chunk of slots: it returns a (read-only) numpy array built from a
-range, and the set learns of those slots only when the next ``check_unbound`` or ``settle``
-needs it, on the thread that binds them.
+exception is what ``take`` returns: the worker's ``allocate`` runs on the thread that
+launches the forward, for up to a whole prefill chunk of slots, so ``take`` builds them as
+one numpy range (freed slots written over its head), ``allocate`` hands that array out
+read-only, and the set learns of its slots only when the next ``check_unbound`` or
+``settle`` needs it, on the thread that binds them.
 """
 
 from __future__ import annotations
@@ -42,22 +43,9 @@ class SlotPool:
         """Return slots to the free stack, in order."""
         self._free += slots
 
-    def take(self, n: int) -> list[int]:
-        """``n`` free slots, the most recently pushed run first."""
-        free = self._free
-        reused = min(n, len(free))
-        slots = free[len(free) - reused :]
-        del free[len(free) - reused :]
-        if reused < n:
-            start = self._next_slot
-            self._next_slot = start + n - reused
-            assert self._next_slot <= self.physical, "arena overcommitted"
-            slots += range(start, self._next_slot)
-        return slots
-
-    def allocate(self, n: int) -> np.ndarray:
-        """Take ``n`` slots (as ``take`` would) and mark them unbound; ``int64 [n]``,
-        read-only."""
+    def take(self, n: int) -> np.ndarray:
+        """``n`` free slots (``int64 [n]``): the most recently pushed run first, in the order
+        it was pushed, then never-used ones."""
         free = self._free
         reused = min(n, len(free))
         start = self._next_slot
@@ -68,6 +56,12 @@ class SlotPool:
         if reused:
             slots[:reused] = free[len(free) - reused :]
             del free[len(free) - reused :]
+        return slots
+
+    def allocate(self, n: int) -> np.ndarray:
+        """``take(n)``, its slots marked unbound; the array is read-only (the pool keeps it
+        until it adds the slots to its unbound set)."""
+        slots = self.take(n)
         slots.flags.writeable = False
         self._allocated.append(slots)
         self._num_allocated += n
