@@ -13,12 +13,17 @@ prefill, speculative decoding with k=3) it times, with ``triton.testing.do_bench
   vllm-cast          buffer[:n].to(dtype), the GPU half of vLLM's path (GPU time)
   vllm               buffer[:n].to(dtype) + .to("cpu", non_blocking=True) of it and of
                      num_rejected + stream sync + per-request host slicing of accepted rows
+and, as thread-CPU time of the launching thread alone (``host``; nothing waits inside it):
+  r3capture-launch   the worker's launch: per-step argument checks + Triton's launcher
+  vllm-cast-launch   the launch of vLLM's snapshot cast
+  launch-stand-in    the one torch op that stands for either launch in ``bench/host_step``
+                     on a CPU (``bench/stand_ins.py``): how far that stand-in is from both
 and reports µs, effective GB/s, % of the measured HBM peak (a large device copy) and of the
 measured PCIe peak (a large pinned D2H copy), the bytes that cross PCIe per step, and the
 speedup over the vLLM provider timed the same way (``vllm-cast`` for GPU time, ``vllm`` for
-wall time until the host may read the rows). The r3capture providers launch through a
-``GatherPackLaunch`` built once per step and output (the worker's hot path: only the per-step
-arguments are checked per call).
+wall time until the host may read the rows, ``vllm-cast-launch`` for host time). The
+r3capture providers launch through a ``GatherPackLaunch`` built once per step and output
+(the worker's hot path: only the per-step arguments are checked per call).
 
 Inputs are built as the worker builds them: every request owns one row of a persistent ring
 slot table ``[max_num_seqs + 1, W]`` (the slot of hash block b sits at column ``b % W``), its
@@ -49,6 +54,7 @@ import argparse
 import os
 import random
 import sys
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -66,6 +72,7 @@ if not HAS_CUDA:
 import triton  # noqa: E402
 
 from bench.common import RESULTS_DIR, Result, machine_info, write_results  # noqa: E402
+from bench.stand_ins import launch_stand_in  # noqa: E402
 from r3capture.kernels import (  # noqa: E402
     GatherPackLaunch,
     can_write_host_directly,
@@ -76,6 +83,8 @@ from r3capture.kernels import (  # noqa: E402
 HASH_BLOCK = 16
 DEPTH = 2  # steps in flight (vLLM's max_concurrent_batches under async scheduling)
 QUANTILES = [0.5, 0.2, 0.8]  # do_bench wants a list
+# host_cost: calls timed, untimed calls first, calls between two waits for the device.
+HOST_CALLS, HOST_WARMUP, HOST_BATCH = 2000, 100, 50
 # Poison for every output the kernel must write; no expert id equals it (see build_step).
 DEST_SENTINEL = {torch.uint8: 0xFF, torch.uint16: 0xFFFF}
 INFO_SENTINEL = -99
@@ -384,6 +393,28 @@ def _bench(fn: Callable[[], object]) -> tuple[float, float, float]:
     return p50 * 1e3, p20 * 1e3, p80 * 1e3  # ms -> us
 
 
+def host_cost(
+    fn: Callable[[], object], device: torch.device, calls: int = HOST_CALLS
+) -> tuple[float, float, float]:
+    """What one call of ``fn`` costs the calling thread, in thread-CPU µs (p50, p20, p80):
+    the host work of a launch, none of the device's. Nothing waits inside the timing; the
+    device drains every ``HOST_BATCH`` calls outside it, so the launch queue never fills."""
+    clock = time.thread_time_ns
+    for _ in range(HOST_WARMUP):
+        fn()
+    _synchronize(device)
+    samples = np.empty(calls, np.int64)
+    for i in range(calls):
+        if i % HOST_BATCH == 0:
+            _synchronize(device)
+        start = clock()
+        fn()
+        samples[i] = clock() - start
+    _synchronize(device)
+    p50, p20, p80 = np.percentile(samples, [50, 20, 80]) / 1e3
+    return float(p50), float(p20), float(p80)
+
+
 def _copy_gbps(dst: torch.Tensor, src: torch.Tensor, bytes_moved: int) -> float:
     ms = triton.testing.do_bench(lambda: dst.copy_(src, non_blocking=True), quantiles=[0.5])
     ms = ms[0] if isinstance(ms, list) else ms
@@ -401,7 +432,7 @@ def measure_peaks() -> dict[str, float]:
 
 
 # Which vLLM provider each provider is compared with (timed the same way).
-_BASELINE = {"gpu": "vllm-cast", "wall+sync": "vllm"}
+_BASELINE = {"gpu": "vllm-cast", "wall+sync": "vllm", "host": "vllm-cast-launch"}
 
 
 def bench_step(step: Step, peaks: dict[str, float]) -> tuple[list[Result], str | None]:
@@ -450,13 +481,18 @@ def bench_step(step: Step, peaks: dict[str, float]) -> tuple[list[Result], str |
          0),
         ("vllm", lambda: vllm_host_rows(step), "wall+sync", sched * (row_in + 2 * row_out),
          sched * row_out),
+        # What each side's launch costs the thread that launches the forward (host_step's
+        # launch stand-in stands for both on a CPU, bench/stand_ins.py).
+        ("r3capture-launch", to_slots, "host", 0, 0),
+        ("vllm-cast-launch", lambda: capture[:sched].to(model.dtype), "host", 0, 0),
+        ("launch-stand-in", launch_stand_in, "host", 0, 0),
     ]  # fmt: skip
     if not direct:
         print("this GPU cannot write pinned host memory directly: no r3capture-pinned timings")
         providers = [p for p in providers if p[0] != "r3capture-pinned"]
     rows = []
     for name, fn, timing, hbm_bytes, pcie_bytes in providers:
-        p50, p20, p80 = _bench(fn)
+        p50, p20, p80 = host_cost(fn, step.device) if timing == "host" else _bench(fn)
         seconds = p50 * 1e-6
         hbm_gbps = hbm_bytes / seconds / 1e9
         pcie_gbps = pcie_bytes / seconds / 1e9

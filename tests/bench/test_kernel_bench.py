@@ -5,6 +5,7 @@ runs; the timing path itself is gpu-marked."""
 from __future__ import annotations
 
 import math
+import time
 
 import numpy as np
 import pytest
@@ -190,6 +191,24 @@ def test_run_without_cuda_gates_every_kind_and_times_nothing(capsys) -> None:
     assert "timings need a GPU" in out
 
 
+def test_host_cost_times_the_calling_threads_work_per_call() -> None:
+    calls = []
+    cheap = kb.host_cost(lambda: calls.append(None), torch.device("cpu"), calls=300)
+    assert len(calls) == kb.HOST_WARMUP + 300
+    # Sorting 200k floats costs this thread far more than appending to a list.
+    values = torch.rand(200_000)
+    costly = kb.host_cost(lambda: torch.sort(values), torch.device("cpu"), calls=30)
+    for p50, p20, p80 in (cheap, costly):
+        assert 0 <= p20 <= p50 <= p80
+    assert costly[0] > 10 * cheap[0] and costly[0] > 0
+
+
+def test_host_cost_does_not_count_time_the_thread_sleeps() -> None:
+    # Thread CPU time: a wait (for the device, or here a sleep) costs the thread nothing.
+    p50, _, _ = kb.host_cost(lambda: time.sleep(0.002), torch.device("cpu"), calls=20)
+    assert p50 < 1000  # us; the wall time of each call is >= 2000 us
+
+
 @pytest.mark.gpu
 def test_bench_step_times_every_provider_on_gpu() -> None:
     sizes = kb.Sizes(512, 32, (32,), 2, 32, 5_000)
@@ -200,7 +219,11 @@ def test_bench_step_times_every_provider_on_gpu() -> None:
         rows, problem = kb.bench_step(step, peaks)
         assert problem is None
         providers = [r.provider for r in rows]
-        assert providers[0] == "r3capture-kernel" and providers[-2:] == ["vllm-cast", "vllm"]
+        assert providers[0] == "r3capture-kernel"
+        assert providers[-5:] == [
+            "vllm-cast", "vllm", "r3capture-launch", "vllm-cast-launch", "launch-stand-in"
+        ]  # fmt: skip
+        assert {r.params["timing"] for r in rows[-3:]} == {"host"}
         assert "r3capture-staging" in providers
         for r in rows:
             assert r.p20 <= r.p50 <= r.p80 and r.p50 > 0
