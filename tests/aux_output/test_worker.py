@@ -514,6 +514,17 @@ def test_requests_waiting_outside_the_batch_grow_the_slot_reserve_instead_of_fai
     worker.close()
 
 
+def _four_new_requests_write_their_rows(worker, step: int) -> list[str]:
+    """One step of four new requests, 3 rows each (seeds ``4 * step + i``); checks each one's
+    rows and returns their ids."""
+    names = [f"s{step}r{i}" for i in range(4)]
+    out = run_step(worker, meta({n: 0 for n in names}), [(n, step * 4 + i, 0, 3) for i, n in
+                                                         enumerate(names)])  # fmt: skip
+    for i, name in enumerate(names):
+        assert np.array_equal(out[name].rows, routes(step * 4 + i, 0, 3).astype(np.uint8))
+    return names
+
+
 def test_a_launch_that_grows_the_arena_writes_rows_into_its_new_slots():
     """Taking slots can grow the store's arena in the middle of a launch; the step's rows
     that land in slots past the old arena must be written there, not refused."""
@@ -529,12 +540,8 @@ def test_a_launch_that_grows_the_arena_writes_rows_into_its_new_slots():
         return slots
 
     planner._allocate = watched_allocate
-    for step in range(3):  # four new requests a step; the earlier ones keep their slots
-        names = [f"s{step}r{i}" for i in range(4)]
-        out = run_step(worker, meta({n: 0 for n in names}), [(n, step * 4 + i, 0, 3) for i, n in
-                                                             enumerate(names)])  # fmt: skip
-        for i, name in enumerate(names):
-            assert np.array_equal(out[name].rows, routes(step * 4 + i, 0, 3).astype(np.uint8))
+    for step in range(3):  # the earlier requests keep their slots
+        _four_new_requests_write_their_rows(worker, step)
     assert any(beyond_old_arena), "no launch took slots past the arena it started with"
     worker.close()
 
@@ -546,11 +553,7 @@ def test_finished_requests_free_their_slots_before_the_reserve_grows():
     worker = make_worker()
     reserve = worker.store.reserve_slots
     for step in range(3):
-        names = [f"s{step}r{i}" for i in range(4)]
-        out = run_step(worker, meta({n: 0 for n in names}), [(n, step * 4 + i, 0, 3) for i, n in
-                                                             enumerate(names)])  # fmt: skip
-        for i, name in enumerate(names):
-            assert np.array_equal(out[name].rows, routes(step * 4 + i, 0, 3).astype(np.uint8))
+        names = _four_new_requests_write_their_rows(worker, step)
         worker.begin_step(meta({}, finished=names))
         assert worker.num_active_requests() == 4  # recorded, not yet applied
     assert worker.store.reserve_slots == reserve
