@@ -86,6 +86,38 @@ def _check_int(name: str, value: object) -> int:
     return int(value)
 
 
+def _checked_sizes(max_bytes: object, object_nbytes: object, reserve_slots: object):
+    """``(object_nbytes, num_slots, reserve_slots)`` of a new store, as ints; the error names
+    the argument that is not a valid size."""
+    max_bytes = _check_int("max_bytes", max_bytes)
+    object_nbytes = _check_int("object_nbytes", object_nbytes)
+    reserve_slots = _check_int("reserve_slots", reserve_slots)
+    if object_nbytes <= 0:
+        raise ValueError(f"object_nbytes must be a positive byte count, got {object_nbytes}")
+    if max_bytes < object_nbytes:
+        raise ValueError(
+            f"max_bytes must hold at least one object (>= object_nbytes={object_nbytes}), "
+            f"got {max_bytes}"
+        )
+    if reserve_slots < 0:
+        raise ValueError(f"reserve_slots must be >= 0, got {reserve_slots}")
+    return object_nbytes, max_bytes // object_nbytes, reserve_slots
+
+
+def _warn_growth(old: int, new: int, object_nbytes: int, cause: str, *, reserve: bool) -> None:
+    """Log that the store's objects (or, with ``reserve``, its producer reserve) grow from
+    ``old`` to ``new`` slots of ``object_nbytes``, and why."""
+    logger.warning(
+        "auxiliary output store %sgrows from %d to %d %s (%d bytes): %s",
+        "reserve " if reserve else "",
+        old,
+        new,
+        "slots" if reserve else "objects",
+        new * object_nbytes,
+        cause,
+    )
+
+
 class BlockStore:
     """Bounded store of fixed-size blocks in one arena of slots.
 
@@ -115,21 +147,9 @@ class BlockStore:
         pin_memory: bool = False,
         on_grow: Callable[[], None] | None = None,
     ) -> None:
-        max_bytes = _check_int("max_bytes", max_bytes)
-        object_nbytes = _check_int("object_nbytes", object_nbytes)
-        reserve_slots = _check_int("reserve_slots", reserve_slots)
-        if object_nbytes <= 0:
-            raise ValueError(f"object_nbytes must be a positive byte count, got {object_nbytes}")
-        if max_bytes < object_nbytes:
-            raise ValueError(
-                f"max_bytes must hold at least one object (>= object_nbytes={object_nbytes}), "
-                f"got {max_bytes}"
-            )
-        if reserve_slots < 0:
-            raise ValueError(f"reserve_slots must be >= 0, got {reserve_slots}")
-        self.object_nbytes = object_nbytes
-        self.num_slots = max_bytes // object_nbytes
-        self.reserve_slots = reserve_slots
+        self.object_nbytes, self.num_slots, self.reserve_slots = _checked_sizes(
+            max_bytes, object_nbytes, reserve_slots
+        )
         physical = self.num_slots + reserve_slots
         self._space: Arena | None = Arena(
             physical, object_nbytes, pin_memory=pin_memory, on_grow=on_grow
@@ -198,15 +218,7 @@ class BlockStore:
         """Copy arena rows ``slots`` (int64 ``[n]``) into ``out`` (uint8 ``[n, object_nbytes]``,
         C-contiguous). No bookkeeping: callers pass slots they looked up."""
         self._check_open()
-        if len(slots) < 16:
-            # Few blocks: numpy's fancy indexing has the smaller fixed cost.
-            out[...] = self._space.np[slots]
-            return
-        # torch's row gather copies each slot with one memcpy; np.take(axis=0, out=) goes
-        # element-wise through a buffered iterator and is ~4x slower for 6 KiB rows.
-        torch.index_select(
-            self._space.tensor, 0, torch.from_numpy(slots), out=torch.from_numpy(out)
-        )
+        self._space.gather(slots, out)
 
     def lookup_slots(self, keys: Keys, *, held: bool = False) -> np.ndarray:
         """Slots of ``keys`` as ``int64 [len(keys)]``; refreshes their recency like a read.
@@ -357,13 +369,8 @@ class BlockStore:
         if m != len(rows):
             blocks = blocks[admitted.positions]
         taken = self._pool.take(m)
-        slots = taken.tolist()
-        self._ledger.assign(admitted.keys, slots)
-        first = slots[0]
-        if slots[-1] - first == m - 1 and slots == list(range(first, first + m)):
-            self._space.np[first : first + m] = blocks
-        else:
-            self._space.np[taken] = blocks
+        self._ledger.assign(admitted.keys, taken.tolist())
+        self._space.write(taken, blocks)
 
     def _admit(self, rows: np.ndarray, retain_keys: Keys, release_keys: Keys) -> Admission:
         """The ledger's admission of one publication, after which the arena has room for
@@ -385,22 +392,22 @@ class BlockStore:
         extra = _check_int("extra", extra)
         if extra <= 0:
             raise ValueError(f"extra must be > 0, got {extra}")
-        logger.warning(
-            "auxiliary output store reserve grows from %d to %d slots (%d bytes): the "
-            "producer holds more unbound slots than it was sized for",
+        _warn_growth(
             self.reserve_slots,
             self.reserve_slots + extra,
-            (self.reserve_slots + extra) * self.object_nbytes,
+            self.object_nbytes,
+            "the producer holds more unbound slots than it was sized for",
+            reserve=True,
         )
         self._replace_arena(self.num_slots, self.reserve_slots + extra)
 
     def _grow(self, num_slots: int) -> None:
-        logger.warning(
-            "auxiliary output store grows from %d to %d objects (%d bytes): every object is "
-            "referenced",
+        _warn_growth(
             self.num_slots,
             num_slots,
-            num_slots * self.object_nbytes,
+            self.object_nbytes,
+            "every object is referenced",
+            reserve=False,
         )
         try:
             self._replace_arena(num_slots, self.reserve_slots)
