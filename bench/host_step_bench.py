@@ -26,6 +26,10 @@ Method (details in ``bench/host_step_replay.py`` and ``bench/stand_ins.py``):
    the headline is thread CPU time (see ``bench/RESULTS.md``).
 
     python -m bench.run host_step [--quick] [--repeats N] [--families A,B] [--models A,B]
+
+A what-if run, ``--free slot-planning`` (or ``input-checks``; ``bench/stand_ins.ABLATIONS``),
+times r3capture as if those parts of its host work cost nothing; it is written as
+``host_step_free_<parts>.json`` so the measured run stays apart.
 """
 
 from __future__ import annotations
@@ -46,6 +50,7 @@ import numpy as np
 from bench.common import RESULTS_DIR, Result, make_result, write_results
 from bench.host_step_families import FAMILIES, QUICK_FAMILIES
 from bench.host_step_replay import CALLS
+from bench.stand_ins import ABLATIONS
 
 ROOT = Path(__file__).resolve().parent.parent
 CACHE = Path(__file__).resolve().parent / ".cache" / "host_step"
@@ -329,6 +334,7 @@ def run(
     depths: list[int],
     repeats: int,
     seed: int = 0,
+    free: list[str] | None = None,
 ) -> tuple[list[Result], dict[str, Any]]:
     started = time.perf_counter()
     groups = [(model, depth) for depth in depths for model in models]
@@ -368,6 +374,7 @@ def run(
                             provider,
                             "--out",
                             str(out_path),
+                            *(["--free", ",".join(free)] if free and provider == OURS else []),
                             *dirs[(model, depth)],
                         ]
                     )
@@ -394,8 +401,9 @@ def run(
     rows: list[Result] = []
     summaries: dict[tuple[str, str, int], dict] = {}
     recordings = {}
+    what_if = f", r3capture with {' and '.join(free)} counted as free" if free else ""
     print(
-        f"\nratios vLLM / r3capture ({HEADLINE_NAME}; > 1 = r3capture cheaper); "
+        f"\nratios vLLM / r3capture ({HEADLINE_NAME}; > 1 = r3capture cheaper{what_if}); "
         "p50 columns: vLLM/r3capture us",
         flush=True,
     )
@@ -438,6 +446,7 @@ def run(
     )
     extra = {
         "headline_clock": HEADLINE_NAME,
+        "free": {part: [".".join(target) for target in ABLATIONS[part]] for part in free or []},
         "method": (
             "Recorded simulator traces (vLLM 0.33.0 scheduler + worker call order) replayed "
             "through each connector in separate processes, alternating, a fresh connector per "
@@ -470,6 +479,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--depths", help="comma-separated subset of: 2,1")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out-dir", type=Path, default=RESULTS_DIR)
+    parser.add_argument(
+        "--free", help="what-if: r3capture's parts counted as free, of: " + ",".join(ABLATIONS)
+    )
     args = parser.parse_args(argv)
     families = list(QUICK_FAMILIES) if args.quick else list(FAMILIES)
     models = [MODELS[0]] if args.quick else list(MODELS)
@@ -480,21 +492,29 @@ def main(argv: list[str] | None = None) -> int:
         models = args.models.split(",")
     if args.depths:
         depths = [int(d) for d in args.depths.split(",")]
+    free = args.free.split(",") if args.free else []
     unknown = [f for f in families if f not in FAMILIES] + [m for m in models if m not in MODELS]
+    unknown += [part for part in free if part not in ABLATIONS]
     if unknown:
-        parser.error(f"unknown families or models: {unknown}")
+        parser.error(f"unknown families, models or ablations: {unknown}")
     rows, info = run(
-        families=families, models=models, depths=depths, repeats=args.repeats, seed=args.seed
+        families=families,
+        models=models,
+        depths=depths,
+        repeats=args.repeats,
+        seed=args.seed,
+        free=free,
     )
     identical = all(s["identical"] for s in info["summaries"].values())
+    name = "_".join(["host_step", *(["free", *free] if free else [])])
     write_results(
-        "host_step",
+        name,
         rows,
         figure=_figure(info["summaries"]),
         extra=info["extra"],
         out_dir=args.out_dir,
     )
-    print(f"wrote {args.out_dir / 'host_step.json'} ({info['extra']['run_seconds']:.0f} s)")
+    print(f"wrote {args.out_dir / (name + '.json')} ({info['extra']['run_seconds']:.0f} s)")
     return 0 if identical else 1
 
 

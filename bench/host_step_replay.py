@@ -512,13 +512,17 @@ def _replay_main(args: argparse.Namespace) -> int:
     import torch
 
     from bench.common import machine_info
-    from bench.stand_ins import KernelStandIn, measure
+    from bench.stand_ins import FreeParts, KernelStandIn, measure
     from sim.recording import Recording, vllm_metadata_types
 
     # One thread for torch: thread CPU time then covers all of a call's torch work.
     torch.set_num_threads(1)
     metadata_types = vllm_metadata_types()
     exclusion = KernelStandIn().__enter__() if args.connector == "r3capture" else None
+    free = args.free.split(",") if args.free else []
+    if free and exclusion is None:
+        raise SystemExit(f"--free applies to r3capture only, not {args.connector}")
+    freed = FreeParts(exclusion, free).__enter__() if free else None
     out: dict[str, Any] = {
         "connector": args.connector,
         "machine": machine_info(),
@@ -559,6 +563,8 @@ def _replay_main(args: argparse.Namespace) -> int:
         }
         del recording, times
         gc.collect()
+    if freed is not None:
+        freed.__exit__(None, None, None)
     if exclusion is not None:
         exclusion.__exit__(None, None, None)
     with open(args.out, "wb") as f:
@@ -578,6 +584,9 @@ def main(argv: list[str] | None = None) -> int:
     rep = sub.add_parser("replay", help="replay recordings through one connector")
     rep.add_argument("--connector", required=True, choices=CONNECTORS)
     rep.add_argument("--out", required=True)
+    rep.add_argument(
+        "--free", default="", help="r3capture only: comma-separated ablations counted as free"
+    )
     rep.add_argument("dirs", nargs="+")
     args = parser.parse_args(argv)
     return _record_main(args) if args.command == "record" else _replay_main(args)

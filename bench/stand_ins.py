@@ -143,6 +143,74 @@ class KernelStandIn:
             setattr(module, attr, original)
 
 
+# Ablations: parts of r3capture's host work that a what-if run counts as free, each as
+# (module, attribute path) of the callables the worker calls by that name.
+ABLATIONS = {
+    # Slot taking before the launch and the host half of the slot-ring upload: what moving
+    # slot allocation onto the device could at most take off the main thread.
+    "slot-planning": (
+        ("r3capture.aux_output.slot_planner", "SlotPlanner.take_slots"),
+        ("r3capture.aux_output.device_side", "DeviceSide._upload"),
+    ),
+    # The argument checks of the three main-thread calls.
+    "input-checks": (
+        ("r3capture.aux_output.worker", "checked_emit_starts"),
+        ("r3capture.aux_output.request_book", "checked_batch_arrays"),
+        ("r3capture.aux_output.request_book", "RequestBook._checked_shape"),
+        ("r3capture.aux_output.worker", "check_host_counts"),
+    ),
+}
+
+
+class FreeParts:
+    """Context manager for a what-if run: the ``ABLATIONS`` named in ``parts`` still run (the
+    outputs need them), but their whole wall and thread-CPU time, stand-in launches inside
+    included, is added to ``exclusion``'s ``excluded_*`` (an entered ``KernelStandIn``), so
+    the harness subtracts it from the enclosing call as if the parts cost nothing."""
+
+    def __init__(self, exclusion: KernelStandIn, parts: list[str]) -> None:
+        unknown = [part for part in parts if part not in ABLATIONS]
+        if unknown:
+            raise ValueError(f"unknown ablation {unknown}; known: {', '.join(ABLATIONS)}")
+        self._exclusion = exclusion
+        self._parts = parts
+        self._bindings: list[tuple[Any, str, Any]] = []
+
+    def __enter__(self) -> FreeParts:
+        for part in self._parts:
+            for module_name, path in ABLATIONS[part]:
+                owner: Any = importlib.import_module(module_name)
+                *outer, attr = path.split(".")
+                for name in outer:
+                    owner = getattr(owner, name)
+                original = getattr(owner, attr)
+                self._bindings.append((owner, attr, original))
+                setattr(owner, attr, self._free(original))
+        return self
+
+    def _free(self, original: Any) -> Any:
+        exclusion = self._exclusion
+        wall, cpu = time.perf_counter_ns, time.thread_time_ns
+
+        def free(*args: Any, **kwargs: Any) -> Any:
+            wall_before, cpu_before = exclusion.excluded_wall_ns, exclusion.excluded_cpu_ns
+            w0, c0 = wall(), cpu()
+            try:
+                return original(*args, **kwargs)
+            finally:
+                c1, w1 = cpu(), wall()
+                # The whole call: exclusions made inside it are part of its time.
+                exclusion.excluded_wall_ns = wall_before + (w1 - w0)
+                exclusion.excluded_cpu_ns = cpu_before + (c1 - c0)
+
+        return free
+
+    def __exit__(self, *exc: object) -> None:
+        while self._bindings:
+            owner, attr, original = self._bindings.pop()
+            setattr(owner, attr, original)
+
+
 class DeviceSnapshot:
     """vLLM's snapshot as its ``PendingAuxOutput`` holds it: ``.to(device, non_blocking)``
     (its only use) costs one stand-in launch, the device-to-host copy it is on a GPU, and
@@ -185,9 +253,11 @@ class SnapshotStandIn:
 
 
 __all__ = [
+    "ABLATIONS",
     "KERNEL_BINDINGS",
     "UPLOAD_BINDING",
     "DeviceSnapshot",
+    "FreeParts",
     "KernelStandIn",
     "SnapshotStandIn",
     "kernel_binding",

@@ -15,8 +15,8 @@ import pytest
 from bench import stand_ins
 from bench.host_step_families import FAMILIES
 from bench.host_step_replay import CALLS, KINDS, replay, step_kinds
-from bench.stand_ins import KernelStandIn, SnapshotStandIn, kernel_binding
-from r3capture.aux_output import device_side
+from bench.stand_ins import FreeParts, KernelStandIn, SnapshotStandIn, kernel_binding
+from r3capture.aux_output import device_side, request_book, slot_planner, worker
 from sim import make_trace, run_trace, vllm_scheduler
 from sim.recording import PREPARE, Recording, record_trace
 
@@ -109,6 +109,48 @@ def test_kernel_stand_in_excludes_the_device_work(monkeypatch):
     main = excluded.calls[:3, :, :].sum(axis=0)  # [steps, (wall, cpu)]
     assert (main[:, 1] < slow_ns // 5).all(), main[:, 1].max()
     assert np.median(main[:, 0]) < slow_ns // 5
+
+
+def test_free_parts_take_their_whole_time_out_of_the_calls(monkeypatch):
+    """A what-if run: slot planning and the input checks made slow (5 ms of CPU per call)
+    show in every main-thread call without ``FreeParts`` and in none with it; the outputs
+    stay the simulator's and every wrapped name is restored afterwards."""
+    recording = record_trace(make_trace("spec_decode", seed=0))
+    slow_ns = 5_000_000
+    slowed = [
+        (slot_planner.SlotPlanner, "take_slots"),
+        (worker, "checked_emit_starts"),
+        (request_book, "checked_batch_arrays"),
+        (worker, "check_host_counts"),
+    ]
+    for owner, attr in slowed:
+        monkeypatch.setattr(owner, attr, _slow(getattr(owner, attr), slow_ns))
+    slow_functions = [getattr(owner, attr) for owner, attr in slowed]
+    forward = [e[1] for e in recording.events if e[0] == PREPARE]
+    begin, prepare, enqueue = (CALLS.index(c) for c in CALLS[:3])
+
+    with KernelStandIn() as exclusion:
+        plain = replay(recording, "r3capture", exclusion=exclusion)
+        with FreeParts(exclusion, ["slot-planning", "input-checks"]):
+            free = replay(recording, "r3capture", exclusion=exclusion)
+    assert [getattr(owner, attr) for owner, attr in slowed] == slow_functions
+    assert plain.digests == free.digests == recording.digests
+    for call in (begin, prepare, enqueue):
+        assert (plain.calls[call, forward, 1] >= slow_ns).all(), CALLS[call]
+    main = free.calls[:3, :, 1].sum(axis=0)
+    assert (main < slow_ns // 5).all(), main.max()
+    assert free.excluded_cpu_ns >= 4 * slow_ns * len(forward)
+
+
+def test_free_parts_refuses_an_unknown_part(capsys):
+    with KernelStandIn() as exclusion, pytest.raises(ValueError, match="slot-taking"):
+        FreeParts(exclusion, ["slot-taking"])
+    from bench.host_step_bench import main
+
+    with pytest.raises(SystemExit) as exited:
+        main(["--free", "slot-taking", "--families", "decode-1"])
+    assert exited.value.code == 2
+    assert "slot-taking" in capsys.readouterr().err
 
 
 def test_snapshot_stand_in_returns_the_staged_cast_for_one_launch_each_way(monkeypatch):
