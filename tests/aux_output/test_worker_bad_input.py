@@ -17,6 +17,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from test_worker import SIZES, K, L, hashes, make_worker, meta, routes, run_step
 
+from r3capture.aux_output.call_checks import checked_emit_starts
 from r3capture.aux_output.sizing import WorkerSizing
 from r3capture.aux_output.types import PackedBlockHashes
 from r3capture.aux_output.worker import TritonAuxOutputWorker
@@ -135,6 +136,10 @@ METADATA_CORRUPTIONS = {
         {"b": True},
         {"b": 2**63},
         {"b": np.uint64(2**63)},
+        {"b": -(2**63) - 1},
+        {"b": 2**64},
+        {"b": np.float64(3.0)},
+        {"b": 3, "c": 2.5},
     ],
     "block_hashes": [
         None,
@@ -144,6 +149,9 @@ METADATA_CORRUPTIONS = {
         {"b": PackedBlockHashes(b"", 0)},
         {"b": PackedBlockHashes(b"xx", 2.0)},
         {"b": SimpleNamespace(data="not bytes", item_size=1)},
+        {"b": SimpleNamespace(data=b"xx", item_size=[2])},
+        {"b": PACKED_OK, "zz": PACKED_OK},
+        {"b": PACKED_OK, "a": PackedBlockHashes(b"x" * 12, 8)},
     ],
     "finished_requests": ["b", None, 7, ("zz",), ("b", "zz")],
     "retained_block_hashes": [b"xx", PackedBlockHashes(b"abc", 2)],
@@ -156,8 +164,11 @@ def one_of_each(corruptions: dict) -> st.SearchStrategy:
     return st.sampled_from([(f, v) for f, values in corruptions.items() for v in values])
 
 
-@SETTINGS
-@given(field_and_value=one_of_each(METADATA_CORRUPTIONS))
+@pytest.mark.parametrize(
+    "field_and_value",
+    [(f, v) for f, values in METADATA_CORRUPTIONS.items() for v in values],
+    ids=repr,
+)
 def test_malformed_metadata_is_named_and_changes_nothing(field_and_value):
     field, value = field_and_value
     worker, twin = make_worker(), make_worker()
@@ -171,6 +182,29 @@ def test_malformed_metadata_is_named_and_changes_nothing(field_and_value):
     assert len(worker.store) == len(twin.store) and worker.store.eviction_order() == (
         twin.store.eviction_order()
     )
+
+
+def test_block_hashes_of_two_item_sizes_pass_the_checks():
+    """Valid but unusual: one step's hashes in two item sizes pass the metadata checks; an
+    unknown request beside them still fails."""
+    two_sizes = {"a": PackedBlockHashes(bytes(16), 8), "b": PackedBlockHashes(bytes(32), 16)}
+    known = {"b"}.__contains__
+    assert checked_emit_starts(meta({"a": 1}, two_sizes), known, 0).tolist() == [1]
+    with pytest.raises(KeyError, match="metadata.block_hashes names unknown request 'zz'"):
+        checked_emit_starts(meta({"a": 1}, {**two_sizes, "zz": PACKED_OK}), known, 0)
+
+
+def test_numpy_integer_emit_starts_are_ints():
+    """Emit starts that are numpy integers are valid input: the same outputs and store as
+    with Python ints."""
+    worker, twin = make_worker(), make_worker()
+    assert _same_outputs(_first_step(worker), _first_step(twin))
+    step = meta({"a": 6, "c": 0}, {"a": hashes(1, range(1, 2)), "c": hashes(1, range(1))})
+    numpy_step = _as_namespace(step)
+    numpy_step.requests = {r: np.int64(v) for r, v in step.requests.items()}
+    batch = [("a", 1, 6, 2), ("c", 1, 4, 2)]
+    assert _same_outputs(run_step(worker, numpy_step, batch), run_step(twin, step, batch))
+    assert worker.store.eviction_order() == twin.store.eviction_order()
 
 
 @pytest.mark.parametrize("emit_start", [2**63, np.uint64(2**64 - 1)], ids=repr)
