@@ -260,9 +260,10 @@ def _print_trace(meta: dict, pairs: dict, identical: bool, reason: str) -> None:
 # ---------------------------------------------------------------------------- figure
 
 
-def _figure(summaries: dict[tuple[str, str, int], dict]):
+def _figure(summaries: dict[tuple[str, str, int], dict], free: list[str] | None = None):
     """Main-thread and output-side ratios per family: bars = whole-trace totals (from 1,
-    up = r3capture cheaper), ticks = p50 step; both models; one column per depth."""
+    up = r3capture cheaper), ticks = p50 step; both models; one column per depth. ``free``:
+    the ablations of a what-if run, named in the title."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -319,7 +320,10 @@ def _figure(summaries: dict[tuple[str, str, int], dict]):
             ax.set_ylabel(f"vLLM / r3capture ({HEADLINE_NAME})")
             ax.set_title(f"{label}, depth {depth}", fontsize=10)
             ax.legend(fontsize=7)
-    fig.suptitle("Host time per step, vLLM 0.33.0 / r3capture (> 1: r3capture cheaper)")
+    title = "Host time per step, vLLM 0.33.0 / r3capture (> 1: r3capture cheaper)"
+    if free:
+        title += f"\nwhat-if: r3capture with {' and '.join(free)} counted as free"
+    fig.suptitle(title)
     fig.tight_layout()
     return fig
 
@@ -510,7 +514,7 @@ def main(argv: list[str] | None = None) -> int:
     write_results(
         name,
         rows,
-        figure=_figure(info["summaries"]),
+        figure=_figure(info["summaries"], free),
         extra=info["extra"],
         out_dir=args.out_dir,
     )

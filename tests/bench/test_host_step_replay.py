@@ -238,3 +238,22 @@ def test_no_ratio_when_outputs_differ():
     rows, _ = _summaries(meta, runs, identical)
     assert not any("ratio_p50" in r.params for r in rows)
     assert not any("ratio_p50" in k for r in rows for k in r.params["kinds"].values())
+
+
+def test_a_what_if_figure_says_so_in_its_title():
+    from types import SimpleNamespace
+
+    from bench.host_step_bench import _figure
+
+    pytest.importorskip("matplotlib")
+    ours = SimpleNamespace(params={"cpu_ratio_total": 1.5, "cpu_ratio_p50": 1.2})
+    summaries = {
+        ("decode-8", "Kimi-K2", 2): {"pairs": {"main": (None, ours), "output": (None, ours)}}
+    }
+    measured = _figure(summaries)._suptitle.get_text()
+    what_if = _figure(summaries, ["slot-planning", "input-checks"])._suptitle.get_text()
+    assert "what-if" not in measured
+    assert what_if.startswith(measured)
+    assert what_if.endswith(
+        "what-if: r3capture with slot-planning and input-checks counted as free"
+    )
