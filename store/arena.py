@@ -58,6 +58,8 @@ class Arena:
     def write(self, slots: np.ndarray, blocks: np.ndarray) -> None:
         """Copy ``blocks`` (uint8 ``[n, object_nbytes]``) into slots ``slots`` (int64 ``[n]``)."""
         listed = slots.tolist()
+        if not listed:
+            return
         first, n = listed[0], len(listed)
         if listed[-1] - first == n - 1 and listed == list(range(first, first + n)):
             self.np[first : first + n] = blocks  # one run: one slice copy
