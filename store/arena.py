@@ -55,16 +55,15 @@ class Arena:
         self.tensor, self.np = tensor, tensor.numpy()
         self.version += 1
 
-    def write(self, slots: np.ndarray, blocks: np.ndarray) -> None:
-        """Copy ``blocks`` (uint8 ``[n, object_nbytes]``) into slots ``slots`` (int64 ``[n]``)."""
-        listed = slots.tolist()
-        if not listed:
+    def write(self, slots: list[int], blocks: np.ndarray) -> None:
+        """Copy ``blocks`` (uint8 ``[n, object_nbytes]``) into slots ``slots`` (``n`` ints)."""
+        if not slots:
             return
-        first, n = listed[0], len(listed)
-        if listed[-1] - first == n - 1 and listed == list(range(first, first + n)):
+        first, n = slots[0], len(slots)
+        if slots[-1] - first == n - 1 and slots == list(range(first, first + n)):
             self.np[first : first + n] = blocks  # one run: one slice copy
         else:
-            self.np[slots] = blocks
+            self.np[np.asarray(slots, np.int64)] = blocks
 
     def gather(self, slots: np.ndarray, out: np.ndarray) -> None:
         """Copy slots ``slots`` (int64 ``[n]``) into ``out`` (uint8 ``[n, object_nbytes]``,

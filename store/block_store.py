@@ -86,7 +86,9 @@ def _check_int(name: str, value: object) -> int:
     return int(value)
 
 
-def _checked_sizes(max_bytes: object, object_nbytes: object, reserve_slots: object):
+def _checked_sizes(
+    max_bytes: object, object_nbytes: object, reserve_slots: object
+) -> tuple[int, int, int]:
     """``(object_nbytes, num_slots, reserve_slots)`` of a new store, as ints; the error names
     the argument that is not a valid size."""
     max_bytes = _check_int("max_bytes", max_bytes)
@@ -368,9 +370,9 @@ class BlockStore:
             return
         if m != len(rows):
             blocks = blocks[admitted.positions]
-        taken = self._pool.take(m)
-        self._ledger.assign(admitted.keys, taken.tolist())
-        self._space.write(taken, blocks)
+        slots = self._pool.take(m).tolist()
+        self._ledger.assign(admitted.keys, slots)
+        self._space.write(slots, blocks)
 
     def _admit(self, rows: np.ndarray, retain_keys: Keys, release_keys: Keys) -> Admission:
         """The ledger's admission of one publication, after which the arena has room for

@@ -15,9 +15,9 @@ from r3capture.store.arena import Arena
 def test_write_then_gather_moves_the_bytes_of_exactly_those_slots(slots):
     arena = Arena(8, 6, pin_memory=False, on_grow=None)
     arena.np[:] = 0xEE
-    slots = np.array(slots, np.int64)
     blocks = np.arange(len(slots) * 6, dtype=np.uint8).reshape(len(slots), 6)
     arena.write(slots, blocks)
+    slots = np.array(slots, np.int64)
     expected = np.full((8, 6), 0xEE, np.uint8)
     expected[slots] = blocks
     assert np.array_equal(arena.np, expected)
