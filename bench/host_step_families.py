@@ -257,6 +257,41 @@ def mixed() -> Family:
     return Family("mixed", text, build)
 
 
+def full_store() -> Family:
+    """A long rollout on a bounded KV cache: the KV cache and the store fill, then every new
+    block evicts a stored one (the steady state of a serving worker), with no preemption."""
+    text = (
+        "a stream of 512 requests (prompts 1k-4k tokens, 32-64 output tokens, 16 every 12 "
+        "steps) on a KV cache of 1.5x the running requests' blocks: the store fills (and "
+        "grows once, as vLLM's does when every block is pinned), then every new block "
+        "evicts a stored one"
+    )
+
+    def build(model: ModelShape, depth: int, seed: int) -> Trace:
+        g = _Requests(seed)
+        reqs = [
+            g.make(g.tokens(g.between(1024, 4096)), g.between(32, 64), arrival_step=12 * (i // 16))
+            for i in range(512)
+        ]
+        return _trace(
+            "full-store",
+            model,
+            depth,
+            seed,
+            reqs,
+            notes=text,
+            max_num_seqs=256,
+            num_gpu_blocks=FULL_STORE_RUNNING * (2560 + 48 + 16) // BLOCK * 3 // 2,
+        )
+
+    return Family("full-store", text, build)
+
+
+# Requests running at once in the full-store family, which sizes its KV cache: each lives
+# ~55 steps (a few of prefill, 32-64 of decode), so ~4.5 arrival waves of 16 run together.
+FULL_STORE_RUNNING = 72
+
+
 FAMILIES: dict[str, Family] = {
     f.name: f
     for f in (
@@ -273,6 +308,7 @@ FAMILIES: dict[str, Family] = {
         speculative(3),
         speculative(5),
         mixed(),
+        full_store(),
     )
 }
 

@@ -35,6 +35,11 @@ class SlotPool:
     def num_unbound(self) -> int:
         return len(self._unbound) + self._num_allocated
 
+    @property
+    def num_free(self) -> int:
+        """Freed slots waiting to be taken again (never-used ones not counted)."""
+        return len(self._free)
+
     def grow(self, physical: int) -> None:
         """The arena now has ``physical`` slots (more than before)."""
         self.physical = physical
