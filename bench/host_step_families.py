@@ -281,15 +281,18 @@ def full_store() -> Family:
             reqs,
             notes=text,
             max_num_seqs=256,
-            num_gpu_blocks=FULL_STORE_RUNNING * (2560 + 48 + 16) // BLOCK * 3 // 2,
+            num_gpu_blocks=FULL_STORE_RUNNING * _MEAN_FULL_STORE_BLOCKS * 3 // 2,
         )
 
     return Family("full-store", text, build)
 
 
 # Requests running at once in the full-store family, which sizes its KV cache: each lives
-# ~55 steps (a few of prefill, 32-64 of decode), so ~4.5 arrival waves of 16 run together.
+# ~55 steps (a few of prefill, 32-64 of decode), so ~4.5 arrival waves of 16 run together;
+# and the KV blocks of its mean request (2,560 prompt and 48 output tokens, one block of
+# slack).
 FULL_STORE_RUNNING = 72
+_MEAN_FULL_STORE_BLOCKS = (2560 + 48 + BLOCK) // BLOCK
 
 
 FAMILIES: dict[str, Family] = {
