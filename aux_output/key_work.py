@@ -18,9 +18,10 @@ from typing import Any
 
 import numpy as np
 
-from r3capture.aux_output.publisher import NO_KEYS, Publisher
+from r3capture.aux_output.publisher import Publisher
 from r3capture.aux_output.request_table import RequestTable
 from r3capture.aux_output.types import key_rows_of, key_rows_of_requests
+from r3capture.store import NO_KEY_OBJECTS, KeyObjects, join_key_objects, key_objects
 
 
 class StepKeyWork:
@@ -48,7 +49,7 @@ class StepKeyWork:
         self.rows: list[int] = []
         self.hashes: list[Any] = []
         self.generation = pin_generation
-        self.releases: list[np.ndarray] = []
+        self.releases: list[KeyObjects] = []
         self.finishing: list[str] = []
 
 
@@ -88,12 +89,19 @@ class KeyWorkQueue:
         the released pins, the reset's keys and the finished requests' keys; then the
         finished requests are torn down."""
         table = self._table
-        retains = [key_rows_of(work.pins_retained, work.pin_generation)]
-        releases = [key_rows_of(work.pins_released, work.pin_generation), *work.releases]
+        retains = []
         if work.rows:
-            keys, counts = key_rows_of_requests(work.hashes, work.generation)
+            rows, counts = key_rows_of_requests(work.hashes, work.generation)
+            keys = key_objects(rows)
             table.add_keys(work.rows, keys, counts)
             retains.append(keys)
+        # The requests' keys before the pins: of equal keys the store keeps the first object
+        # it meets, and the table's are those later calls hand back. (Retains commute.)
+        retains.append(key_objects(key_rows_of(work.pins_retained, work.pin_generation)))
+        releases = [
+            key_objects(key_rows_of(work.pins_released, work.pin_generation)),
+            *work.releases,
+        ]
         if work.finishing:
             releases.append(table.release_order([table.index[r] for r in work.finishing]))
         self._publisher.publish(
@@ -108,8 +116,8 @@ def _has_hashes(packed: Any) -> bool:
     return packed is not None and len(packed.data) > 0
 
 
-def _joined(parts: list[np.ndarray]) -> np.ndarray:
-    parts = [p for p in parts if len(p)]
+def _joined(parts: list[KeyObjects]) -> KeyObjects:
+    parts = [p for p in parts if p]
     if not parts:
-        return NO_KEYS
-    return parts[0] if len(parts) == 1 else np.concatenate(parts)
+        return NO_KEY_OBJECTS
+    return parts[0] if len(parts) == 1 else join_key_objects(parts)

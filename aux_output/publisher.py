@@ -19,9 +19,8 @@ from __future__ import annotations
 import numpy as np
 
 from r3capture.aux_output.request_table import RequestTable
-from r3capture.store import KEY_WORDS, BlockStore
+from r3capture.store import NO_KEY_OBJECTS, BlockStore, KeyObjects, join_key_objects
 
-NO_KEYS = np.empty((0, KEY_WORDS), np.uint64)
 _NO_ROWS = np.empty(0, np.int64)
 _NO_SLOTS = np.empty(0, np.int64)
 
@@ -33,18 +32,18 @@ class Publisher:
         self._store = store
         self._table = table
         self._block_size = block_size
-        self._queued: list[tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]] = []
+        self._queued: list[tuple[KeyObjects, np.ndarray, KeyObjects, KeyObjects]] = []
 
     def publish(
         self,
         rows: np.ndarray = _NO_ROWS,
-        retain_keys: np.ndarray = NO_KEYS,
-        release_keys: np.ndarray = NO_KEYS,
+        retain_keys: KeyObjects = NO_KEY_OBJECTS,
+        release_keys: KeyObjects = NO_KEY_OBJECTS,
     ) -> None:
         """Take every complete, keyed, unbound block of table ``rows`` (int64, distinct) out
         of the table and queue one store call that binds them and applies ``retain_keys``
-        then ``release_keys`` (key rows)."""
-        keys, slots = NO_KEYS, _NO_SLOTS
+        then ``release_keys``."""
+        keys, slots = NO_KEY_OBJECTS, _NO_SLOTS
         if rows.size:
             table = self._table
             # A request without a cursor (-1) gets min(.., -1) - base < 0: nothing ready.
@@ -58,7 +57,7 @@ class Publisher:
                     table.keys_of(row, base, base + count)
                     for row, base, count in zip(rows.tolist(), bases.tolist(), ready.tolist())
                 ]
-                keys = np.concatenate(parts) if len(parts) > 1 else parts[0]
+                keys = join_key_objects(parts) if len(parts) > 1 else parts[0]
                 slots = table.take_leading(rows, ready)
         if len(keys) or len(retain_keys) or len(release_keys):
             self._queued.append((keys, slots, retain_keys, release_keys))

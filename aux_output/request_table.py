@@ -1,8 +1,9 @@
 """Per-request worker state as a struct of arrays, so a step's bookkeeping is vectorized.
 
 One row per live request. Numeric state lives in numpy arrays indexed by row; each row also
-owns its store keys (``uint64 [n, KEY_WORDS]`` key rows, one per hash block, in block order)
-and a ring of store slots: the slot of hash block ``b`` sits at ``ring[row, b % W]``. The
+owns its store keys (key objects, ``r3capture.store.keys``: one per hash block, in block
+order; the same objects from the step their hashes arrive to the request's release) and a
+ring of store slots: the slot of hash block ``b`` sits at ``ring[row, b % W]``. The
 ring holds the request's *unbound* blocks ``base .. end - 1``: blocks complete and get keys
 in order, so everything below ``base`` is bound in the store (or was a cached prefix) and the
 unbound blocks are always one contiguous range of at most ``W`` blocks. Two more columns,
@@ -20,7 +21,7 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 
-from r3capture.store import KEY_WORDS
+from r3capture.store import NO_KEY_OBJECTS, KeyObjects, join_key_objects
 
 NO_CURSOR = -1
 
@@ -38,7 +39,7 @@ class RequestTable:
     def __init__(self, ring_width: int, capacity: int = 64) -> None:
         self.ring_width = int(ring_width)
         self.index: dict[str, int] = {}
-        self._keys: list[np.ndarray] = []
+        self._keys: list[list[bytes]] = []
         self._free_rows: list[int] = []
         self._capacity = 0
         # Bumped whenever the id -> row mapping changes (see ``rows``).
@@ -76,7 +77,7 @@ class RequestTable:
         ring[:old] = self.ring
         ring[old:, self.ring_width] = 0  # empty window [0, -1]
         self.ring = ring
-        self._keys.extend(_EMPTY_KEYS for _ in range(capacity - old))
+        self._keys.extend([] for _ in range(capacity - old))
         self._free_rows.extend(range(capacity - 1, old - 1, -1))
         self._capacity = capacity
 
@@ -126,7 +127,7 @@ class RequestTable:
         taken = np.asarray(rows, np.int64)
         slots = self.unbound_slots(taken)
         for row in rows:
-            self._keys[row] = _EMPTY_KEYS
+            self._keys[row] = []
         # Back to the fresh state ``add_many`` relies on.
         self.cursor[taken] = NO_CURSOR
         self.scheduled[taken] = self.emit[taken] = 0
@@ -144,30 +145,26 @@ class RequestTable:
         return np.fromiter(self.index.values(), np.int64, len(self.index))
 
     # ---------------------------------------------------------------- keys
-    def add_keys(self, rows: Sequence[int], keys: np.ndarray, counts: Sequence[int]) -> None:
-        """Append ``counts[i]`` consecutive rows of ``keys`` (key rows) to request ``rows[i]``."""
+    def add_keys(self, rows: Sequence[int], keys: KeyObjects, counts: Sequence[int]) -> None:
+        """Append ``counts[i]`` consecutive ``keys`` to request ``rows[i]`` (the objects
+        themselves: later calls hand the store these same objects)."""
         end = 0
         own, num_keys = self._keys, self.num_keys
         for row, count in zip(rows, counts):
-            have = int(num_keys[row])
-            stored = own[row]
-            if have + count > len(stored):
-                grown = np.empty((max(2 * len(stored), have + count, 8), KEY_WORDS), np.uint64)
-                grown[:have] = stored[:have]
-                own[row] = stored = grown
-            stored[have : have + count] = keys[end : end + count]
-            num_keys[row] = have + count
+            own[row].extend(keys[end : end + count])
             end += count
+        num_keys[np.asarray(rows, np.int64)] = list(map(len, map(own.__getitem__, rows)))
 
-    def keys_of(self, row: int, first_block: int, end_block: int) -> np.ndarray:
-        """Key rows of blocks ``first_block .. end_block - 1`` of ``row`` (a view)."""
-        return self._keys[row][first_block:end_block]
+    def keys_of(self, row: int, first_block: int, end_block: int) -> KeyObjects:
+        """Keys of blocks ``first_block .. end_block - 1`` of ``row``."""
+        return KeyObjects(self._keys[row][first_block:end_block])
 
-    def release_order(self, rows: Sequence[int]) -> np.ndarray:
+    def release_order(self, rows: Sequence[int]) -> KeyObjects:
         """Every key of ``rows``, each request's reversed (vLLM releases a finished request's
         blocks tail first), concatenated in order."""
-        num_keys = self.num_keys
-        return _concat_keys([self._keys[row][: num_keys[row]][::-1] for row in rows])
+        if not rows:
+            return NO_KEY_OBJECTS
+        return join_key_objects(map(reversed, map(self._keys.__getitem__, rows)))
 
     # ---------------------------------------------------------------- slots
     def take_slots(
@@ -299,7 +296,6 @@ class RequestTable:
         return slots * block_size + positions % block_size
 
 
-_EMPTY_KEYS = np.empty((0, KEY_WORDS), np.uint64)
 _NO_SLOTS = np.empty(0, np.int64)
 # Up to this many rows, ``_window_slots`` slices each row's ring instead of vectorizing.
 FEW_ROWS = 4
@@ -321,9 +317,3 @@ def _block_runs(
     block = np.arange(len(row_of), dtype=np.int64)
     block += np.repeat(firsts - (np.cumsum(counts) - counts), counts)
     return row_of, block
-
-
-def _concat_keys(parts: list[np.ndarray]) -> np.ndarray:
-    if not parts:
-        return _EMPTY_KEYS
-    return np.concatenate(parts) if len(parts) > 1 else np.ascontiguousarray(parts[0])

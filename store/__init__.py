@@ -3,18 +3,30 @@
 from r3capture.store.block_store import BlockObjectStoreError, BlockStore
 from r3capture.store.keys import (
     KEY_WORDS,
+    NO_KEY_OBJECTS,
+    KeyObjects,
+    as_key_objects,
     as_key_rows,
+    join_key_objects,
+    key_objects,
     key_rows,
     key_rows_from_strings,
     key_string,
+    rows_of_key_objects,
 )
 
 __all__ = [
     "KEY_WORDS",
+    "NO_KEY_OBJECTS",
     "BlockObjectStoreError",
     "BlockStore",
+    "KeyObjects",
+    "as_key_objects",
     "as_key_rows",
+    "join_key_objects",
+    "key_objects",
     "key_rows",
     "key_rows_from_strings",
     "key_string",
+    "rows_of_key_objects",
 ]

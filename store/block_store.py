@@ -6,10 +6,12 @@ A *block* is ``object_nbytes`` raw bytes (for routed experts: ``hash_block_size`
 Its eviction and reference-count decisions are those of vLLM 0.33.0's ``BlockObjectStore``, so a
 scheduler driving both sees the same hits and misses.
 
-Keys: every method takes keys either as *key rows* (``uint64 [n, KEY_WORDS]``, one row per
-block hash, built by ``key_rows``; no per-key Python anywhere) or as vLLM's strings
-``vllm-artifact/{generation}/{hash.hex()}`` (parsed once at the boundary by ``as_key_rows``).
-Errors and introspection name keys in the string form.
+Keys: every method takes keys as *key rows* (``uint64 [n, KEY_WORDS]``, one row per block
+hash, built by ``key_rows``; no per-key Python anywhere), as *key objects* (``KeyObjects``
+from ``key_objects``: the form the store keeps; a caller that hands the same objects back
+call after call spares the store their conversion and cold comparisons) or as vLLM's
+strings ``vllm-artifact/{generation}/{hash.hex()}``; ``as_key_objects`` converts them once at
+the boundary. Errors and introspection name keys in the string form.
 
 Lifecycle of a block::
 
@@ -62,16 +64,23 @@ import numpy as np
 import torch
 
 from r3capture.store.arena import Arena
-from r3capture.store.keys import KEY_WORDS, as_key_rows, key_rows_from_strings, key_string
+from r3capture.store.keys import (
+    KEY_WORDS,
+    KeyObjects,
+    as_key_objects,
+    as_key_rows,
+    key_object_string,
+    key_objects,
+    key_rows_from_strings,
+    key_string,
+)
 from r3capture.store.ledger import Admission, Ledger
 from r3capture.store.slot_pool import SlotPool
 
 logger = logging.getLogger(__name__)
 
 _UINT8 = np.dtype(np.uint8)
-_NO_KEYS = np.zeros((0, KEY_WORDS), dtype=np.uint64)
-
-Keys = np.ndarray | Iterable[str]
+Keys = KeyObjects | np.ndarray | Iterable[str]
 
 
 class BlockObjectStoreError(RuntimeError):
@@ -175,7 +184,7 @@ class BlockStore:
         """
         self._check_open()
         rows, blocks = objects_as_arrays(objects, self.object_nbytes)
-        self._publish(rows, blocks, retain_keys, release_keys)
+        self._publish(key_objects(rows), blocks, retain_keys, release_keys)
 
     def get_concatenated(self, keys: Sequence[str]) -> bytes:
         """The blocks of ``keys`` joined in order, ``len(keys) * object_nbytes`` bytes."""
@@ -196,9 +205,9 @@ class BlockStore:
         ``put``.
         """
         self._check_open()
-        rows = as_key_rows(keys)
-        blocks = as_blocks(blocks, len(rows), self.object_nbytes)
-        self._publish(rows, blocks, retain_keys, release_keys)
+        keys = as_key_objects(keys)
+        blocks = as_blocks(blocks, len(keys), self.object_nbytes)
+        self._publish(keys, blocks, retain_keys, release_keys)
 
     def get_array(self, keys: Keys, out: np.ndarray | None = None) -> np.ndarray:
         """Gather the blocks of ``keys`` into ``uint8 [len(keys), object_nbytes]`` in one copy.
@@ -208,9 +217,9 @@ class BlockStore:
         the keys; raises ``BlockObjectStoreError`` if any key is missing.
         """
         self._check_open()
-        rows = as_key_rows(keys)
-        blocks = None if out is None else as_blocks(out, len(rows), self.object_nbytes, name="out")
-        slots = self._slots_of(rows, touch=True)
+        keys = as_key_objects(keys)
+        blocks = None if out is None else as_blocks(out, len(keys), self.object_nbytes, name="out")
+        slots = self._slots_of(keys, touch=True)
         if blocks is None:
             return self._space.np[slots]
         self.gather_into(slots, blocks)
@@ -230,7 +239,7 @@ class BlockStore:
         Raises ``BlockObjectStoreError`` (naming the capacity) if any key is missing.
         """
         self._check_open()
-        return self._slots_of(as_key_rows(keys), touch=not held)
+        return self._slots_of(as_key_objects(keys), touch=not held)
 
     def allocate(self, n: int) -> np.ndarray:
         """Take ``n`` unbound slots (``int64 [n]``) from the producer reserve.
@@ -264,13 +273,13 @@ class BlockStore:
         at once is returned to the free pool.
         """
         self._check_open()
-        rows = as_key_rows(keys)
+        keys = as_key_objects(keys)
         given = self._pool.check_unbound(slots)
-        if len(given) != len(rows):
+        if len(given) != len(keys):
             raise ValueError(
-                f"slots: expected {len(rows)} slots for {len(rows)} keys, got {len(given)}"
+                f"slots: expected {len(keys)} slots for {len(keys)} keys, got {len(given)}"
             )
-        admitted = self._admit(rows, retain_keys, release_keys)
+        admitted = self._admit(keys, retain_keys, release_keys)
         self._pool.settle(given)
         if len(admitted.keys) == len(given):
             used = given
@@ -313,12 +322,12 @@ class BlockStore:
         a key is not stored."""
         self._check_open()
         try:
-            row = key_row(key)
+            one = key_object(key)
         except ValueError:
             if isinstance(key, str):
                 return False
             raise
-        return self._ledger.slot_of(row) >= 0
+        return self._ledger.slot_of(one) >= 0
 
     def __len__(self) -> int:
         """Number of bound blocks (keys)."""
@@ -328,7 +337,7 @@ class BlockStore:
     def ref_count(self, key: str | np.ndarray) -> int:
         """References held on ``key`` (introspection; does not touch recency)."""
         self._check_open()
-        return self._ledger.refs_of(key_row(key))
+        return self._ledger.refs_of(key_object(key))
 
     def eviction_order(self) -> list[str]:
         """Unreferenced keys, next victim first (introspection; does not touch recency)."""
@@ -338,7 +347,7 @@ class BlockStore:
     def peek_slot(self, key: str | np.ndarray) -> int | None:
         """Slot of ``key`` or None (introspection; does not touch recency)."""
         self._check_open()
-        slot = self._ledger.slot_of(key_row(key))
+        slot = self._ledger.slot_of(key_object(key))
         return slot if slot >= 0 else None
 
     def close(self) -> None:
@@ -353,34 +362,34 @@ class BlockStore:
         if self._space is None:
             raise RuntimeError("auxiliary output store is closed")
 
-    def _slots_of(self, rows: np.ndarray, *, touch: bool) -> np.ndarray:
-        slots = self._ledger.lookup(rows, touch=touch)
+    def _slots_of(self, keys: KeyObjects, *, touch: bool) -> np.ndarray:
+        slots = self._ledger.lookup(keys, touch=touch)
         missing = slots < 0
         if np.count_nonzero(missing):
-            key = key_string(rows[np.argmax(missing)])
+            key = key_object_string(keys[int(np.argmax(missing))])
             raise missing_key_error(key, len(self), self.num_slots, self.object_nbytes)
         return slots
 
     def _publish(
-        self, rows: np.ndarray, blocks: np.ndarray, retain_keys: Keys, release_keys: Keys
+        self, keys: KeyObjects, blocks: np.ndarray, retain_keys: Keys, release_keys: Keys
     ) -> None:
-        admitted = self._admit(rows, retain_keys, release_keys)
+        admitted = self._admit(keys, retain_keys, release_keys)
         m = len(admitted.keys)
         if not m:
             return
-        if m != len(rows):
+        if m != len(keys):
             blocks = blocks[admitted.positions]
         slots = self._pool.take(m).tolist()
         self._ledger.assign(admitted.keys, slots)
         self._space.write(slots, blocks)
 
-    def _admit(self, rows: np.ndarray, retain_keys: Keys, release_keys: Keys) -> Admission:
+    def _admit(self, keys: KeyObjects, retain_keys: Keys, release_keys: Keys) -> Admission:
         """The ledger's admission of one publication, after which the arena has room for
         every stored key (it grows when every key is referenced)."""
-        retains = as_key_rows(retain_keys, name="retain_keys")
-        releases = as_key_rows(release_keys, name="release_keys")
+        retains = as_key_objects(retain_keys, name="retain_keys")
+        releases = as_key_objects(release_keys, name="release_keys")
         ledger = self._ledger
-        admitted = ledger.admit(rows, retains, releases)
+        admitted = ledger.admit(keys, retains, releases)
         if ledger.num_stored > self.num_slots:
             self._grow(max(ledger.num_stored, 2 * self.num_slots))
         return admitted
@@ -427,15 +436,15 @@ class BlockStore:
         self._pool.grow(num_slots + reserve_slots)
 
 
-def key_row(key: object) -> np.ndarray:
-    """One key (a vLLM key string or a ``uint64 [KEY_WORDS]`` row) as a row."""
+def key_object(key: object) -> bytes:
+    """One key (a vLLM key string or a ``uint64 [KEY_WORDS]`` row) as a key object."""
     if isinstance(key, np.ndarray):
         if key.shape != (KEY_WORDS,):
             raise ValueError(f"key: expected one key row [{KEY_WORDS}], got {key.shape}")
-        return as_key_rows(key.reshape(1, KEY_WORDS), name="key")[0]
+        return key_objects(as_key_rows(key.reshape(1, KEY_WORDS), name="key"))[0]
     if not isinstance(key, str):
         raise TypeError(f"key: expected a key string or key row, got {type(key).__name__}")
-    return as_key_rows([key], name="key")[0]
+    return as_key_objects([key], name="key")[0]
 
 
 def as_blocks(array: np.ndarray, n: int, object_nbytes: int, name: str = "blocks") -> np.ndarray:

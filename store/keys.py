@@ -10,8 +10,17 @@ A batch of keys is a C-contiguous ``uint64 [n, KEY_WORDS]`` array. Two keys are 
 exactly when their rows are equal (word 0 tells a short hash from a longer one that ends in zero
 bytes). ``key_rows`` builds rows from a buffer of packed hashes without per-key Python;
 ``key_rows_from_strings`` and ``key_string`` convert from and to vLLM's string form (the
-vLLM-compatible API, error messages and introspection). ``as_key_rows`` is the one conversion
-every public store method applies to the keys it is given.
+vLLM-compatible API, error messages and introspection).
+
+Inside the store a key is one immutable 40-byte ``bytes`` object, its row's bytes, so the
+tables are plain dicts. ``KeyObjects`` is a batch of them, made only by ``key_objects`` from
+rows. A caller that keeps one batch's objects and hands the same objects back later (the
+worker keeps each request's keys from the step their hashes arrive to the request's
+release) saves the store a new object per key per call, and lets its dict lookups match by
+identity and a cached hash instead of comparing 40 bytes in memory the call has not touched
+(``bench/RESULTS.md``, full store). ``as_key_objects`` is the one conversion every public
+store method applies to the keys it is given: key objects pass through, rows and strings
+are converted.
 """
 
 from __future__ import annotations
@@ -19,6 +28,7 @@ from __future__ import annotations
 import re
 import sys
 from collections.abc import Iterable, Sequence
+from itertools import chain
 
 import numpy as np
 
@@ -29,6 +39,7 @@ MAX_GENERATION = (1 << 56) - 1
 
 _ROW_BYTES = KEY_WORDS * 8
 _WORD = np.dtype("<u8")
+_KEY_OBJECT = np.dtype((np.void, _ROW_BYTES))
 _PREFIX = "vllm-artifact/"
 _PREFIX_BYTES = np.frombuffer(_PREFIX.encode(), dtype=np.uint8)
 _NO_ROWS = np.zeros((0, KEY_WORDS), dtype=_WORD)
@@ -129,6 +140,56 @@ def as_key_rows(keys: np.ndarray | Iterable[str], name: str = "keys") -> np.ndar
         return key_rows_from_strings(keys)
     except ValueError as error:
         raise ValueError(f"{name}: {error}") from None
+
+
+class KeyObjects(tuple):
+    """A batch of store keys, one 40-byte ``bytes`` per key row (the row's little-endian
+    words). Made only by ``key_objects`` (or ``join_key_objects``), so the store takes its
+    items without checking each one again."""
+
+    __slots__ = ()
+
+
+NO_KEY_OBJECTS = KeyObjects()
+
+
+def key_objects(rows: np.ndarray) -> KeyObjects:
+    """The key objects of key rows ``uint64 [n, KEY_WORDS]``, made in C."""
+    rows = as_key_rows(rows, name="rows")
+    if not len(rows):
+        return NO_KEY_OBJECTS
+    return KeyObjects(rows.view(_KEY_OBJECT).reshape(-1).tolist())
+
+
+def join_key_objects(parts: Iterable[Sequence[bytes]]) -> KeyObjects:
+    """Key objects (each part a ``KeyObjects`` or a slice of one) concatenated in order, the
+    same objects."""
+    return KeyObjects(chain.from_iterable(parts))
+
+
+def rows_of_key_objects(keys: Sequence[bytes]) -> np.ndarray:
+    """The inverse of ``key_objects``: ``uint64 [len(keys), KEY_WORDS]`` (read-only)."""
+    if not len(keys):
+        return _NO_ROWS
+    return np.frombuffer(b"".join(keys), dtype=_WORD).reshape(len(keys), KEY_WORDS)
+
+
+def key_object_string(key: bytes) -> str:
+    """vLLM's string form of one key object."""
+    return key_string(rows_of_key_objects([key])[0])
+
+
+def as_key_objects(keys: KeyObjects | np.ndarray | Iterable[str], name: str = "keys") -> KeyObjects:
+    """``keys`` as key objects: ``KeyObjects`` pass through, key rows and vLLM key strings
+    are converted (``ValueError`` naming ``name`` for anything else)."""
+    if type(keys) is KeyObjects:
+        return keys
+    if isinstance(keys, (list, tuple)) and keys and isinstance(keys[0], bytes):
+        raise TypeError(
+            f"{name}: bytes keys must come as KeyObjects (from key_objects), got "
+            f"{type(keys).__name__}"
+        )
+    return key_objects(as_key_rows(keys, name))
 
 
 def _bad_key(key: object) -> ValueError:

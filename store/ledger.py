@@ -18,8 +18,8 @@ Batch keys that survive are returned as an ``Admission``; the caller gives them 
 ``assign`` (after growing the arena when every key is referenced and more are stored than
 ``num_slots``).
 
-Mechanism, measured against a vectorized (numpy) open-addressing index: a key row becomes one
-40-byte ``bytes`` key through a numpy view (no per-key Python), and every table is a dict
+Keys are key objects (``keys.py``: one 40-byte ``bytes`` per key row). Mechanism, measured
+against a vectorized (numpy) open-addressing index: every table is a dict
 (recency an ``OrderedDict``) driven through ``map``/``filter``/set algebra, so the per-key work
 runs in C at ~0.05-0.1 us a key with a fixed cost of a few microseconds a call. The numpy index
 cost ~150 numpy calls a call: 4-5x more for the handful of keys of a decode step, and won only
@@ -37,22 +37,10 @@ from operator import add, sub
 
 import numpy as np
 
-from r3capture.store.keys import KEY_WORDS, key_string
+from r3capture.store.keys import key_object_string, rows_of_key_objects
 from r3capture.store.slot_pool import SlotPool
 
 PENDING = -2  # a batch key counted as stored, whose slot comes after eviction
-_KEY = np.dtype((np.void, KEY_WORDS * 8))
-_WORDS = np.dtype("<u8")
-
-
-def key_bytes(rows: np.ndarray) -> list[bytes]:
-    """Each key row (``uint64 [n, KEY_WORDS]``) as one hashable 40-byte key, made in C."""
-    return np.ascontiguousarray(rows).view(_KEY).reshape(-1).tolist()
-
-
-def key_rows_of(keys: Sequence[bytes]) -> np.ndarray:
-    """The inverse of ``key_bytes``: ``uint64 [len(keys), KEY_WORDS]``."""
-    return np.frombuffer(b"".join(keys), dtype=_WORDS).reshape(len(keys), KEY_WORDS)
 
 
 @dataclass
@@ -84,12 +72,11 @@ class Ledger:
     def num_stored(self) -> int:
         return len(self._slots)
 
-    def admit(self, batch: np.ndarray, retains: np.ndarray, releases: np.ndarray) -> Admission:
-        """Apply one publication (key rows each); see the module docstring. Raises
+    def admit(
+        self, keys: Sequence[bytes], retained: Sequence[bytes], released: Sequence[bytes]
+    ) -> Admission:
+        """Apply one publication (key objects each); see the module docstring. Raises
         ``KeyError`` (nothing changed) if a key is released more often than it is held."""
-        keys = key_bytes(batch) if len(batch) else []
-        retained = key_bytes(retains) if len(retains) else []
-        released = key_bytes(releases) if len(releases) else []
         slots, lru, refs = self._slots, self._lru, self._refs
         distinct = self._check_releases(retained, released) if released else True
         unique = dict.fromkeys(keys)
@@ -125,29 +112,28 @@ class Ledger:
         """Give admitted keys their slots."""
         self._slots.update(zip(keys, slots))
 
-    def lookup(self, rows: np.ndarray, *, touch: bool) -> np.ndarray:
-        """Slots of ``rows`` (``int64 [n]``; -1 where a key is not stored). When every key is
+    def lookup(self, keys: Sequence[bytes], *, touch: bool) -> np.ndarray:
+        """Slots of ``keys`` (``int64 [n]``; -1 where a key is not stored). When every key is
         stored and ``touch``, the unreferenced ones become most recent in order."""
-        keys = key_bytes(rows)
         slots = np.fromiter(map(self._slots.get, keys, repeat(-1)), np.int64, len(keys))
         lru = self._lru
         if touch and lru and np.count_nonzero(slots < 0) == 0:
             deque(map(lru.move_to_end, filter(lru.__contains__, keys)), maxlen=0)
         return slots
 
-    def slot_of(self, row: np.ndarray) -> int:
-        """Slot of one key row, -1 if it is not stored (no recency change)."""
-        return self._slots.get(key_bytes(row.reshape(1, -1))[0], -1)
+    def slot_of(self, key: bytes) -> int:
+        """Slot of one key, -1 if it is not stored (no recency change)."""
+        return self._slots.get(key, -1)
 
-    def refs_of(self, row: np.ndarray) -> int:
-        """References held on one key row (no recency change)."""
-        return self._refs.get(key_bytes(row.reshape(1, -1))[0], 0)
+    def refs_of(self, key: bytes) -> int:
+        """References held on one key (no recency change)."""
+        return self._refs.get(key, 0)
 
     def order(self) -> np.ndarray:
         """Key rows of the stored unreferenced keys, next victim first."""
-        return key_rows_of(list(self._lru))
+        return rows_of_key_objects(list(self._lru))
 
-    def _retain(self, retained: list[bytes]) -> None:
+    def _retain(self, retained: Sequence[bytes]) -> None:
         """One reference per occurrence; a key's first reference takes it out of the order."""
         refs, lru = self._refs, self._lru
         distinct = set(retained)
@@ -162,7 +148,7 @@ class Ledger:
             deque(map(lru.pop, fresh, repeat(None)), maxlen=0)
         refs.update(zip(fresh, repeat(1) if counts is None else map(counts.__getitem__, fresh)))
 
-    def _check_releases(self, retained: list[bytes], released: list[bytes]) -> bool:
+    def _check_releases(self, retained: Sequence[bytes], released: Sequence[bytes]) -> bool:
         """Raise ``KeyError`` if a key is released more often than it is referenced (held,
         or retained in this call). Returns whether every key occurs once in ``released``."""
         distinct = set(released)
@@ -176,14 +162,13 @@ class Ledger:
         for key, count in Counter(released).items():
             held = self._refs.get(key, 0) + added[key]
             if held < count:
-                row = key_rows_of([key])[0]
                 raise KeyError(
-                    f"release_keys: {key_string(row)!r} released {count} time(s) but holds "
+                    f"release_keys: {key_object_string(key)!r} released {count} time(s) but holds "
                     f"{held} reference(s)"
                 )
         return len(distinct) == len(released)
 
-    def _release(self, released: list[bytes], distinct: bool) -> list[bytes]:
+    def _release(self, released: Sequence[bytes], distinct: bool) -> list[bytes]:
         """Drop one reference per occurrence (the call's retains already applied); return the
         keys whose last reference went, in the order they reached zero, after appending the
         stored ones to the order."""

@@ -9,13 +9,18 @@ import pytest
 
 from r3capture.aux_output import request_table
 from r3capture.aux_output.request_table import NO_CURSOR, RequestTable
-from r3capture.store import KEY_WORDS
+from r3capture.store import KEY_WORDS, KeyObjects, key_objects, rows_of_key_objects
 
 
-def keys(*values: int) -> np.ndarray:
+def keys(*values: int) -> KeyObjects:
     rows = np.zeros((len(values), KEY_WORDS), np.uint64)
     rows[:, 1] = values
-    return rows
+    return key_objects(rows)
+
+
+def hash_words(keys: KeyObjects) -> list[int]:
+    """Word 1 of each key (the value ``keys`` put there)."""
+    return rows_of_key_objects(keys)[:, 1].tolist()
 
 
 def _consecutive_slots():
@@ -134,12 +139,15 @@ def test_keys_grow_and_release_tail_first_in_row_order():
     table = RequestTable(ring_width=2, capacity=1)
     a = table.add("a", 0)
     b = table.add("b", 0)  # the table grows past its capacity
-    table.add_keys([a, b], keys(1, 2, 3, 7), [3, 1])
+    first = keys(1, 2, 3, 7)
+    table.add_keys([a, b], first, [3, 1])
     table.add_keys([a], keys(*range(4, 40)), [36])
     assert table.num_keys[a] == 39 and table.num_keys[b] == 1
-    assert table.keys_of(a, 1, 4)[:, 1].tolist() == [2, 3, 4]
-    order = table.release_order([b, a])[:, 1].tolist()
-    assert order == [7, *range(39, 0, -1)]
+    assert hash_words(table.keys_of(a, 1, 4)) == [2, 3, 4]
+    order = table.release_order([b, a])
+    assert hash_words(order) == [7, *range(39, 0, -1)]
+    # The very objects added come back, so the store matches them by identity.
+    assert order[0] is first[3] and table.keys_of(a, 0, 1)[0] is first[0]
 
 
 def test_removed_rows_are_reused_fresh_and_version_bumps(take):

@@ -18,7 +18,7 @@ from r3capture.aux_output.errors import AuxOutputProtocolError
 from r3capture.aux_output.sizing import WorkerSizing
 from r3capture.aux_output.types import AuxOutputConnectorMetadata, PackedBlockHashes
 from r3capture.aux_output.worker import TritonAuxOutputWorker
-from r3capture.store import BlockStore, key_string
+from r3capture.store import BlockStore, as_key_objects, key_string, rows_of_key_objects
 from sim import make_trace, make_vllm_worker, run_trace
 from sim.trace import SCENARIOS
 from sim.workers import make_r3capture_worker, r3capture_worker_factory
@@ -402,7 +402,8 @@ def test_every_key_the_worker_reads_is_referenced(scenario, monkeypatch):
 
     def checked(store, keys, *, held=False):
         if held:
-            unreferenced = [k for k in map(key_string, keys) if store.ref_count(k) == 0]
+            strings = map(key_string, rows_of_key_objects(as_key_objects(keys)))
+            unreferenced = [k for k in strings if store.ref_count(k) == 0]
             assert not unreferenced, f"read without a reference: {unreferenced[:3]}"
             reads.append(len(keys))
         return original(store, keys, held=held)

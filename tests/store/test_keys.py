@@ -10,7 +10,18 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from r3capture.store import KEY_WORDS, as_key_rows, key_rows, key_rows_from_strings, key_string
+from r3capture.store import (
+    KEY_WORDS,
+    KeyObjects,
+    as_key_objects,
+    as_key_rows,
+    join_key_objects,
+    key_objects,
+    key_rows,
+    key_rows_from_strings,
+    key_string,
+    rows_of_key_objects,
+)
 from r3capture.store.keys import MAX_GENERATION, key_strings
 
 
@@ -189,3 +200,28 @@ def test_key_string_rejects_non_rows():
         key_string(np.zeros(4, np.uint64))
     with pytest.raises(ValueError, match="item_size 0"):
         key_string(np.zeros(KEY_WORDS, np.uint64))
+
+
+def test_key_objects_round_trip_and_pass_through():
+    rows = key_rows(7, bytes(range(64)), 32)
+    objects = key_objects(rows)
+    assert [len(key) for key in objects] == [KEY_WORDS * 8] * 2
+    assert rows_of_key_objects(objects).tolist() == rows.tolist()
+    assert as_key_objects(objects) is objects  # kept objects reach the store as they are
+    assert as_key_objects(rows) == objects  # rows and strings become equal objects
+    assert as_key_objects([key_string(row) for row in rows]) == objects
+    joined = join_key_objects([objects[1:], reversed(objects)])
+    assert type(joined) is KeyObjects and [id(k) for k in joined] == [
+        id(objects[1]),
+        id(objects[1]),
+        id(objects[0]),
+    ]
+    assert as_key_objects(()) == () and len(rows_of_key_objects(())) == 0
+
+
+def test_loose_bytes_are_not_key_objects():
+    """Only ``key_objects`` makes keys the store takes unchecked; bytes in a plain list are
+    refused with the argument's name, not taken for keys."""
+    loose = list(key_objects(key_rows(0, b"\xab" * 32, 32)))
+    with pytest.raises(TypeError, match="release_keys: bytes keys must come as KeyObjects"):
+        as_key_objects(loose, name="release_keys")

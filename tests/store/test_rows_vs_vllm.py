@@ -1,5 +1,7 @@
 """Model-based test on key rows: BlockStore driven through its array API against vLLM 0.33.0's
-BlockObjectStore driven with the same keys as strings.
+BlockObjectStore driven with the same keys as strings. Ours gets each call's keys in one of
+its forms: rows, strings, the key objects a caller keeps (the same objects call after call,
+as the worker hands them) or equal objects made afresh.
 
 The keys are near-identical (one byte, the generation or the hash length apart), so a store
 that compared less than a whole key row would mix them up. Traffic: publications by
@@ -23,7 +25,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from key_pools import similar_rows
 
-from r3capture.store import BlockStore, key_string
+from r3capture.store import BlockStore, KeyObjects, key_objects, key_string
 
 vllm_store = pytest.importorskip(
     "vllm.distributed.aux_output_connector.store",
@@ -46,17 +48,32 @@ def _quiet_growth_warnings():
 
 
 class Keys:
-    """A pool of near-identical key rows and their vLLM strings."""
+    """A pool of near-identical key rows, their vLLM strings and one key object each."""
 
     def __init__(self, seed: int) -> None:
         self.rows = similar_rows(POOL_SIZE, seed, item_sizes=(32, 16))
         self.strings = [key_string(row) for row in self.rows]
+        self.objects = key_objects(self.rows)
 
     def as_rows(self, picks: list[int]) -> np.ndarray:
         return self.rows[picks] if picks else self.rows[:0]
 
     def as_strings(self, picks: list[int]) -> list[str]:
         return [self.strings[i] for i in picks]
+
+    def as_objects(self, picks: list[int]) -> KeyObjects:
+        """The pool's own objects, as a caller that keeps them (the worker) hands them back."""
+        return KeyObjects(self.objects[i] for i in picks)
+
+    def as_new_objects(self, picks: list[int]) -> KeyObjects:
+        """Equal objects made afresh: the store must match them by value."""
+        return key_objects(self.as_rows(picks).copy())
+
+    def converter(self, form: str):
+        return getattr(self, f"as_{form}")
+
+
+FORMS = ("rows", "strings", "objects", "new_objects")
 
 
 @functools.cache
@@ -145,18 +162,18 @@ def test_key_rows_behave_like_vllm(data, capacity, seed):
             releases = releases[: data.draw(st.integers(0, len(releases)), label="count")]
             if data.draw(st.integers(0, 9), label="over-release?") == 0:
                 releases += data.draw(picks, label="extra")
-            as_strings = data.draw(st.booleans(), label="refs as strings?")
-            convert = keys.as_strings if as_strings else keys.as_rows
+            convert = keys.converter(data.draw(st.sampled_from(FORMS), label="refs' form"))
             refs = {"retain_keys": convert(retains), "release_keys": convert(releases)}
+            as_batch = keys.converter(data.draw(st.sampled_from(FORMS), label="batch form"))
             blocks = np.frombuffer(b"".join(payloads), np.uint8).reshape(len(batch), NB)
             if op == "bind":
                 slots = ours.allocate(len(batch))
                 ours.arena_np[slots] = blocks
-                got = outcome(ours.bind, keys.as_rows(batch), slots, **refs)
+                got = outcome(ours.bind, as_batch(batch), slots, **refs)
                 if got[1] is not None:
                     ours.free(slots)
             else:
-                got = outcome(ours.put_array, keys.as_rows(batch), blocks, **refs)
+                got = outcome(ours.put_array, as_batch(batch), blocks, **refs)
             objects = [vllm_store.BlockObject(keys.strings[i], p) for i, p in zip(batch, payloads)]
             valid = releases_are_valid(theirs, keys.as_strings(retains), keys.as_strings(releases))
             want = outcome(
@@ -171,13 +188,15 @@ def test_key_rows_behave_like_vllm(data, capacity, seed):
                 theirs = vllm_copy(ours, keys)
         elif op == "get":
             batch = data.draw(picks, label="keys")
-            got = outcome(ours.get_array, keys.as_rows(batch))
+            convert = keys.converter(data.draw(st.sampled_from(FORMS), label="form"))
+            got = outcome(ours.get_array, convert(batch))
             want = outcome(theirs.get_concatenated, keys.as_strings(batch))
             assert (got[0].tobytes() if got[1] is None else None, got[1]) == want
         elif op == "lookup":
             batch = data.draw(picks, label="keys")
             held = all(ours.ref_count(keys.rows[i]) for i in batch)
-            got = outcome(ours.lookup_slots, keys.as_rows(batch), held=held)
+            convert = keys.converter(data.draw(st.sampled_from(FORMS), label="form"))
+            got = outcome(ours.lookup_slots, convert(batch), held=held)
             want = outcome(theirs.get_concatenated, keys.as_strings(batch))
             assert got[1] == want[1]
             if got[1] is None:
