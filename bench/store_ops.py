@@ -14,7 +14,9 @@ benchmark's size):
                 untimed before.
 
 Providers (interleaved round-robin, each on its own store with the same keys):
-  r3capture.rows      the array API with key rows (``uint64 [n, 5]``), what the worker calls.
+  r3capture.objects   the array API with key objects (``KeyObjects``), made once per key and
+                      handed back call after call, as the worker does.
+  r3capture.rows      the same calls with key rows (``uint64 [n, 5]``), converted every call.
   r3capture.strings   the same calls with vLLM's key strings (parsed at the boundary).
   vllm.BlockObjectStore  vLLM 0.33.0's ``put`` (payload objects for the keys to publish; it has
                       no bind and no slot lookup).
@@ -39,10 +41,11 @@ from pathlib import Path
 import numpy as np
 
 from bench.common import Result, make_result, run_interleaved, timed_ns
-from r3capture.store import BlockStore, key_rows, key_string
+from r3capture.store import BlockStore, KeyObjects, key_objects, key_rows, key_string
 
 CAPACITY = 16384
-ROWS, STRINGS, VLLM = "r3capture.rows", "r3capture.strings", "vllm.BlockObjectStore"
+OBJECTS, ROWS, STRINGS = "r3capture.objects", "r3capture.rows", "r3capture.strings"
+VLLM = "vllm.BlockObjectStore"
 GATE_ROUNDS = 6
 
 
@@ -66,18 +69,24 @@ QUICK_OPS = tuple(Op(op.name, op.n, 10) for op in OPS)
 
 
 class Keys:
-    """Fresh 32-byte hash keys as rows and as vLLM strings."""
+    """Fresh 32-byte hash keys as rows, as vLLM strings and as key objects."""
 
     def __init__(self, seed: int) -> None:
         self._rng = np.random.default_rng(seed)
 
-    def take(self, n: int) -> tuple[np.ndarray, list[str]]:
+    def take(self, n: int) -> tuple[np.ndarray, list[str], KeyObjects]:
         rows = key_rows(0, self._rng.bytes(32 * n), 32)
-        return rows, [key_string(row) for row in rows]
+        return rows, [key_string(row) for row in rows], key_objects(rows)
+
+
+def part(batch: tuple, start: int, stop: int) -> tuple:
+    """Keys ``start .. stop - 1`` of a ``Keys.take`` batch, in all three forms."""
+    rows, strings, objects = batch
+    return rows[start:stop], strings[start:stop], KeyObjects(objects[start:stop])
 
 
 class Provider:
-    """One store and how to drive it: ``keys(rows, strings)`` picks the key form."""
+    """One store and how to drive it: ``keys(rows, strings, objects)`` picks the key form."""
 
     def __init__(self, name: str, nbytes: int, vllm_store, before_module) -> None:
         self.name = name
@@ -86,16 +95,18 @@ class Provider:
         size = {"max_bytes": CAPACITY * nbytes, "object_nbytes": nbytes}
         if name == VLLM:
             self.store = vllm_store.BlockObjectStore(**size)
-        elif name == ROWS or name == STRINGS:
+        elif name in (OBJECTS, ROWS, STRINGS):
             self.store = BlockStore(**size, reserve_slots=1024)
         else:
             self.store = before_module.BlockStore(**size, reserve_slots=1024)
         self.zeros = np.zeros((4096, nbytes), np.uint8)  # the largest batch published
 
-    def keys(self, rows: np.ndarray, strings: list[str]):
-        return rows if self.name == ROWS else strings
+    def keys(self, rows: np.ndarray, strings: list[str], objects: KeyObjects):
+        return {OBJECTS: objects, ROWS: rows}.get(self.name, strings)
 
-    def publish(self, rows, strings, *, retain=None, release=None) -> Callable[[], None]:
+    def publish(
+        self, rows, strings, objects, *, retain=None, release=None
+    ) -> Callable[[], None]:
         """A call publishing (zeroed) blocks under the keys, with optional references."""
         refs = {}
         if retain is not None:
@@ -106,16 +117,16 @@ class Provider:
             payload = bytes(self.nbytes)
             objects = [self.vllm.BlockObject(key, payload) for key in strings]
             return lambda: self.store.put(objects, **refs)
-        keys, blocks = self.keys(rows, strings), self.zeros[: len(rows)]
+        keys, blocks = self.keys(rows, strings, objects), self.zeros[: len(rows)]
         return lambda: self.store.put_array(keys, blocks, **refs)
 
-    def bind(self, rows, strings, *, retain=None) -> Callable[[], None]:
+    def bind(self, rows, strings, objects, *, retain=None) -> Callable[[], None]:
         """allocate (now, untimed) and a call binding the keys to those slots."""
         if self.name == VLLM:
-            return self.publish(rows, strings, retain=retain)
+            return self.publish(rows, strings, objects, retain=retain)
         slots = self.store.allocate(len(rows))
         refs = {} if retain is None else {"retain_keys": self.keys(*retain)}
-        keys = self.keys(rows, strings)
+        keys = self.keys(rows, strings, objects)
         return lambda: self.store.bind(keys, slots, **refs)
 
     def refs(self, *, retain=None, release=None) -> Callable[[], None]:
@@ -126,10 +137,10 @@ class Provider:
             refs["release_keys"] = self.keys(*release)
         return lambda: self.store.put([], **refs)
 
-    def lookup_held(self, rows, strings) -> Callable[[], None] | None:
+    def lookup_held(self, rows, strings, objects) -> Callable[[], None] | None:
         if self.name == VLLM:
             return None
-        keys = self.keys(rows, strings)
+        keys = self.keys(rows, strings, objects)
         return lambda: self.store.lookup_slots(keys, held=True)
 
     def state(self, keys: list[str]) -> tuple[list[str], list[int], int]:
@@ -156,7 +167,7 @@ class Workload:
         fill = keys.take(CAPACITY)
         for p in providers:
             for start in range(0, CAPACITY, 4096):
-                p.publish(fill[0][start : start + 4096], fill[1][start : start + 4096])()
+                p.publish(*part(fill, start, start + 4096))()
         if op.name == "bind+retain":
             self.batches = [keys.take(n) for _ in range(rounds + 1)]
             for p in providers:
@@ -212,7 +223,7 @@ def load_store_at(sha: str) -> object:
 
 
 def provider_names(vllm_store, before: str | None) -> list[str]:
-    names = [ROWS, STRINGS]
+    names = [OBJECTS, ROWS, STRINGS]
     if vllm_store is not None:
         names.append(VLLM)
     if before:
@@ -232,7 +243,7 @@ def verify(op: Op, names, nbytes, vllm_store, before_module) -> None:
                 for call in work.round(p, i):
                     if call is not None:
                         call()
-        keys = [key for _, strings in work.batches for key in strings]
+        keys = [key for _, strings, _ in work.batches for key in strings]
         reference = providers[names.index(VLLM if VLLM in names else ROWS)]
         want = reference.state(keys)
         for p in providers:
