@@ -155,7 +155,11 @@ NO_KEY_OBJECTS = KeyObjects()
 
 def key_objects(rows: np.ndarray) -> KeyObjects:
     """The key objects of key rows ``uint64 [n, KEY_WORDS]``, made in C."""
-    rows = as_key_rows(rows, name="rows")
+    return _objects_of(as_key_rows(rows, name="rows"))
+
+
+def _objects_of(rows: np.ndarray) -> KeyObjects:
+    """``key_objects`` of rows ``as_key_rows`` returned."""
     if not len(rows):
         return NO_KEY_OBJECTS
     return KeyObjects(rows.view(_KEY_OBJECT).reshape(-1).tolist())
@@ -189,7 +193,7 @@ def as_key_objects(keys: KeyObjects | np.ndarray | Iterable[str], name: str = "k
             f"{name}: bytes keys must come as KeyObjects (from key_objects), got "
             f"{type(keys).__name__}"
         )
-    return key_objects(as_key_rows(keys, name))
+    return _objects_of(as_key_rows(keys, name))
 
 
 def _bad_key(key: object) -> ValueError:
