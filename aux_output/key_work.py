@@ -27,9 +27,9 @@ from r3capture.store import NO_KEY_OBJECTS, KeyObjects, join_key_objects, key_ob
 class StepKeyWork:
     """One step's key work: ``hashes[i]`` (packed block hashes) of table row ``rows[i]`` in
     ``generation``; the scheduler's pins (packed, or None) in ``pin_generation``;
-    ``releases``: key rows released at once (a reset's); ``finishing``: requests to tear
-    down. Packed hashes hold immutable bytes, so keeping the objects keeps the hashes as the
-    scheduler sent them."""
+    ``releases``: keys (``KeyObjects``) released at once (a reset's); ``finishing``:
+    requests to tear down. Packed hashes hold immutable bytes, so keeping the objects keeps
+    the hashes as the scheduler sent them."""
 
     __slots__ = (
         "pins_retained",
