@@ -10,19 +10,16 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from r3capture.store import (
-    KEY_WORDS,
+from r3capture.store import KEY_WORDS, as_key_rows, key_rows, key_rows_from_strings, key_string
+from r3capture.store.keys import (
+    MAX_GENERATION,
     KeyObjects,
     as_key_objects,
-    as_key_rows,
     join_key_objects,
     key_objects,
-    key_rows,
-    key_rows_from_strings,
-    key_string,
+    key_strings,
     rows_of_key_objects,
 )
-from r3capture.store.keys import MAX_GENERATION, key_strings
 
 
 def vllm_key(generation: int, digest: bytes) -> str:
