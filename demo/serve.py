@@ -167,11 +167,12 @@ class VLLMServer:
         except subprocess.TimeoutExpired:
             pass
         # Engine core and workers normally leave with the API server; give them a moment.
-        deadline = time.monotonic() + 5.0
-        while _group_has_live_process(pgid) and time.monotonic() < deadline:
-            time.sleep(0.2)
+        _wait_for_group_exit(pgid, timeout_s=5.0, poll_s=0.2)
         _signal_group(pgid, signal.SIGKILL)
         proc.wait()
+        # SIGKILL takes effect asynchronously: a busy machine can still show a killed
+        # member running for a moment after the leader is reaped.
+        _wait_for_group_exit(pgid, timeout_s=5.0, poll_s=0.02)
 
     def log_tail(self, num_lines: int = 60) -> str:
         try:
@@ -196,6 +197,13 @@ def _signal_group(pgid: int, sig: int) -> None:
         os.killpg(pgid, sig)
     except ProcessLookupError:
         pass
+
+
+def _wait_for_group_exit(pgid: int, *, timeout_s: float, poll_s: float) -> None:
+    """Poll until no process of the group is running, at most ``timeout_s`` seconds."""
+    deadline = time.monotonic() + timeout_s
+    while _group_has_live_process(pgid) and time.monotonic() < deadline:
+        time.sleep(poll_s)
 
 
 def _group_has_live_process(pgid: int) -> bool:
