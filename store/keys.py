@@ -185,7 +185,8 @@ def key_object_string(key: bytes) -> str:
 
 def as_key_objects(keys: KeyObjects | np.ndarray | Iterable[str], name: str = "keys") -> KeyObjects:
     """``keys`` as key objects: ``KeyObjects`` pass through, key rows and vLLM key strings
-    are converted (``ValueError`` naming ``name`` for anything else)."""
+    are converted. Anything else raises naming ``name``: ``TypeError`` for bytes that did
+    not come from ``key_objects``, ``ValueError`` for malformed rows or strings."""
     if type(keys) is KeyObjects:
         return keys
     if isinstance(keys, (list, tuple)) and keys and isinstance(keys[0], bytes):

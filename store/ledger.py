@@ -24,8 +24,8 @@ open-addressing index: every table is a dict (recency an ``OrderedDict``) driven
 ``map``/``filter``/set algebra, so the per-key work runs in C at ~0.05-0.1 us a key with a
 fixed cost of a few microseconds a call. The numpy index cost ~150 numpy calls a call: 4-5x
 more for the handful of keys of a decode step, and won only beyond a few hundred keys
-(``bench/RESULTS.md``, store section). Keys are exact: no
-fingerprints, so no collisions. No bytes live here.
+(``bench/RESULTS.md``, store section). Keys are exact: no fingerprints, so no collisions.
+No bytes live here.
 """
 
 from __future__ import annotations
