@@ -68,7 +68,6 @@ from r3capture.store.keys import (
     KEY_WORDS,
     KeyObjects,
     as_key_objects,
-    as_key_rows,
     key_object_string,
     key_objects,
     key_rows_from_strings,
@@ -441,7 +440,7 @@ def key_object(key: object) -> bytes:
     if isinstance(key, np.ndarray):
         if key.shape != (KEY_WORDS,):
             raise ValueError(f"key: expected one key row [{KEY_WORDS}], got {key.shape}")
-        return key_objects(as_key_rows(key.reshape(1, KEY_WORDS), name="key"))[0]
+        return as_key_objects(key.reshape(1, KEY_WORDS), name="key")[0]
     if not isinstance(key, str):
         raise TypeError(f"key: expected a key string or key row, got {type(key).__name__}")
     return as_key_objects([key], name="key")[0]
