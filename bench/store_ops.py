@@ -104,9 +104,7 @@ class Provider:
     def keys(self, rows: np.ndarray, strings: list[str], objects: KeyObjects):
         return {OBJECTS: objects, ROWS: rows}.get(self.name, strings)
 
-    def publish(
-        self, rows, strings, objects, *, retain=None, release=None
-    ) -> Callable[[], None]:
+    def publish(self, rows, strings, objects, *, retain=None, release=None) -> Callable[[], None]:
         """A call publishing (zeroed) blocks under the keys, with optional references."""
         refs = {}
         if retain is not None:
