@@ -50,12 +50,15 @@ import numpy as np
 from bench.common import RESULTS_DIR, Result, make_result, write_results
 from bench.host_step_families import FAMILIES, QUICK_FAMILIES
 from bench.host_step_replay import CALLS
+from bench.models import MODELS as MODEL_SHAPES
 from bench.stand_ins import ABLATIONS
 
 ROOT = Path(__file__).resolve().parent.parent
 CACHE = Path(__file__).resolve().parent / ".cache" / "host_step"
 VLLM, OURS = PROVIDERS = ("vllm-0.33.0", "r3capture")
+# The headline's two models; ``--models`` takes any shape of ``bench.models``.
 MODELS = ("Qwen3-30B-A3B", "Kimi-K2")
+KNOWN_MODELS = tuple(shape.name for shape in MODEL_SHAPES)
 DEPTHS = (2, 1)
 METRICS = ("main", "process", "background", "output", "all")
 KIND_METRICS = ("main", "output", "all")  # per-kind statistics for these
@@ -272,7 +275,7 @@ def _figure(summaries: dict[tuple[str, str, int], dict], free: list[str] | None 
 
     h = "cpu_" if HEADLINE == 1 else ""
     depths = sorted({d for _, _, d in summaries}, reverse=True)
-    models = [m for m in MODELS if any(key[1] == m for key in summaries)]
+    models = list(dict.fromkeys(key[1] for key in summaries))
     families = [f for f in FAMILIES if any(key[0] == f for key in summaries)]
     panels = (
         ("main", "main thread (begin + prepare + enqueue)", 2.0),  # decode, prefill
@@ -479,7 +482,10 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--repeats", type=int, default=3, help="processes per connector (>= 3)")
     parser.add_argument("--families", help="comma-separated subset of: " + ",".join(FAMILIES))
-    parser.add_argument("--models", help="comma-separated subset of: " + ",".join(MODELS))
+    parser.add_argument(
+        "--models",
+        help=f"comma-separated subset of: {','.join(KNOWN_MODELS)} (default: {','.join(MODELS)})",
+    )
     parser.add_argument("--depths", help="comma-separated subset of: 2,1")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out-dir", type=Path, default=RESULTS_DIR)
@@ -497,7 +503,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.depths:
         depths = [int(d) for d in args.depths.split(",")]
     free = args.free.split(",") if args.free else []
-    unknown = [f for f in families if f not in FAMILIES] + [m for m in models if m not in MODELS]
+    unknown = [f for f in families if f not in FAMILIES]
+    unknown += [m for m in models if m not in KNOWN_MODELS]
     unknown += [part for part in free if part not in ABLATIONS]
     if unknown:
         parser.error(f"unknown families, models or ablations: {unknown}")

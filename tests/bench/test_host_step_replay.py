@@ -153,6 +153,18 @@ def test_free_parts_refuses_an_unknown_part(capsys):
     assert "slot-taking" in capsys.readouterr().err
 
 
+def test_models_beyond_the_headline_two_are_accepted_and_unknown_ones_refused(capsys):
+    from bench.host_step_bench import KNOWN_MODELS, MODELS, main
+    from bench.models import MODELS as SHAPES
+
+    assert set(MODELS) < set(KNOWN_MODELS) == {shape.name for shape in SHAPES}
+    with pytest.raises(SystemExit) as exited:
+        main(["--models", "Mixtral-8x7B,Mixtral-8x22B", "--families", "decode-1"])
+    assert exited.value.code == 2
+    err = capsys.readouterr().err
+    assert "Mixtral-8x22B" in err and "'Mixtral-8x7B'" not in err.split("unknown")[-1]
+
+
 def test_snapshot_stand_in_returns_the_staged_cast_for_one_launch_each_way(monkeypatch):
     import torch
 
@@ -257,6 +269,22 @@ def test_a_what_if_figure_says_so_in_its_title():
     assert what_if.endswith(
         "what-if: r3capture with slot-planning and input-checks counted as free"
     )
+
+
+def test_the_figure_draws_a_bar_per_model_it_was_given():
+    from types import SimpleNamespace
+
+    from bench.host_step_bench import _figure
+
+    pytest.importorskip("matplotlib")
+    ours = SimpleNamespace(params={"cpu_ratio_total": 1.5, "cpu_ratio_p50": 1.2})
+    pairs = {"main": (None, ours), "output": (None, ours)}
+    models = ("Mixtral-8x7B", "gpt-oss-120b", "DeepSeek-V3")
+    figure = _figure({("decode-8", model, 2): {"pairs": pairs} for model in models})
+    labels = [text.get_text() for text in figure.axes[0].get_legend().get_texts()]
+    assert [label for label in labels if label.endswith(": whole trace")] == [
+        f"{model}: whole trace" for model in models
+    ]
 
 
 def test_full_store_family_evicts_in_steady_state(monkeypatch):
