@@ -93,8 +93,7 @@ def gather_pack_reference_checked(args: dict, shape: GatherPackShape) -> None:
     num_sched = row_end - row_begin
     rejected = host("num_rejected") if args["num_rejected"] is not None else num_sched * 0
     accepted = num_sched - rejected
-    table = args["slot_table"].to(_CPU, torch.int64)
-    num_table_rows, ring = table.shape
+    num_table_rows, ring = args["slot_table"].shape
 
     # A query_start_loc that starts below 0 or decreases anywhere fails every request.
     qsl_sane = bool(qsl[0] >= 0) and bool((num_sched >= 0).all())
@@ -108,9 +107,14 @@ def gather_pack_reference_checked(args: dict, shape: GatherPackShape) -> None:
 
     row = host("table_row")
     row_ok = (row >= 0) & (row < num_table_rows)
+    # Only the entries the kernel reads are read: the tables have a row per request the
+    # worker can hold, and converting all of [N, W] each step would be megabytes.
+    table_device = args["slot_table"].device
+    safe_row = torch.where(row_ok, row, 0)
+    window = args["block_window"][safe_row.to(table_device)].to(_CPU, torch.int64)
     # Rows outside the table read the empty window [0, -1].
-    window = torch.cat([args["block_window"].to(_CPU, torch.int64), torch.tensor([[0, -1]])])
-    lo, hi = window[torch.where(row_ok, row, num_table_rows)].unbind(1)
+    window[~row_ok] = torch.tensor([0, -1])
+    lo, hi = window.unbind(1)
     first = torch.div(start.clamp(min=0), block, rounding_mode="floor")
     last = torch.div(start.clamp(min=0) + accepted - 1, block, rounding_mode="floor")
     bad_range = (start < 0) | (first < lo) | (last > hi)
@@ -123,7 +127,9 @@ def gather_pack_reference_checked(args: dict, shape: GatherPackShape) -> None:
     first_entry = torch.cumsum(counts, 0) - counts
     i = torch.arange(req.numel()) - first_entry[req]
     pos = start[req] + i
-    slot = table[row[req], torch.div(pos, block, rounding_mode="floor") % ring]
+    column = torch.div(pos, block, rounding_mode="floor") % ring
+    slot = args["slot_table"][safe_row[req].to(table_device), column.to(table_device)]
+    slot = slot.to(_CPU, torch.int64)
     row_bad = (slot < 0) | (slot >= shape.num_slots)
     bad_block |= torch.zeros(num_reqs, dtype=torch.int64).index_add_(0, req, row_bad.long()) > 0
 
