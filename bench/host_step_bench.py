@@ -26,10 +26,13 @@ Method (details in ``bench/host_step_replay.py`` and ``bench/stand_ins.py``):
    the headline is thread CPU time (see ``bench/RESULTS.md``).
 
     python -m bench.run host_step [--quick] [--repeats N] [--families A,B] [--models A,B]
+        [--max-num-seqs N]
 
 A what-if run, ``--free slot-planning`` (or ``input-checks``; ``bench/stand_ins.ABLATIONS``),
 times r3capture as if those parts of its host work cost nothing; it is written as
-``host_step_free_<parts>.json`` so the measured run stays apart.
+``host_step_free_<parts>.json`` so the measured run stays apart. ``--max-num-seqs 1024``
+(vLLM's serve default on H100/H200-class GPUs) replaces every family's own, which sizes
+both connectors and caps the requests run at once; written as ``host_step_seqs<N>.json``.
 """
 
 from __future__ import annotations
@@ -342,6 +345,7 @@ def run(
     repeats: int,
     seed: int = 0,
     free: list[str] | None = None,
+    max_num_seqs: int | None = None,
 ) -> tuple[list[Result], dict[str, Any]]:
     started = time.perf_counter()
     groups = [(model, depth) for depth in depths for model in models]
@@ -359,6 +363,7 @@ def run(
                 str(depth),
                 "--seed",
                 str(seed),
+                *(["--max-num-seqs", str(max_num_seqs)] if max_num_seqs else []),
                 *families,
             ]
         )
@@ -454,6 +459,8 @@ def run(
     extra = {
         "headline_clock": HEADLINE_NAME,
         "free": {part: [".".join(target) for target in ABLATIONS[part]] for part in free or []},
+        # None: each family's own (bench/host_step_families.py).
+        "max_num_seqs": max_num_seqs,
         "method": (
             "Recorded simulator traces (vLLM 0.33.0 scheduler + worker call order) replayed "
             "through each connector in separate processes, alternating, a fresh connector per "
@@ -492,6 +499,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--free", help="what-if: r3capture's parts counted as free, of: " + ",".join(ABLATIONS)
     )
+    parser.add_argument(
+        "--max-num-seqs",
+        type=int,
+        help="every trace's max_num_seqs (default: each family's own; vLLM serves with 1024 "
+        "on H100/H200-class GPUs)",
+    )
     args = parser.parse_args(argv)
     families = list(QUICK_FAMILIES) if args.quick else list(FAMILIES)
     models = [MODELS[0]] if args.quick else list(MODELS)
@@ -508,6 +521,8 @@ def main(argv: list[str] | None = None) -> int:
     unknown += [part for part in free if part not in ABLATIONS]
     if unknown:
         parser.error(f"unknown families, models or ablations: {unknown}")
+    if args.max_num_seqs is not None and args.max_num_seqs < 1:
+        parser.error(f"--max-num-seqs must be >= 1, got {args.max_num_seqs}")
     rows, info = run(
         families=families,
         models=models,
@@ -515,9 +530,11 @@ def main(argv: list[str] | None = None) -> int:
         repeats=args.repeats,
         seed=args.seed,
         free=free,
+        max_num_seqs=args.max_num_seqs,
     )
     identical = all(s["identical"] for s in info["summaries"].values())
-    name = "_".join(["host_step", *(["free", *free] if free else [])])
+    seqs = [f"seqs{args.max_num_seqs}"] if args.max_num_seqs else []
+    name = "_".join(["host_step", *seqs, *(["free", *free] if free else [])])
     write_results(
         name,
         rows,

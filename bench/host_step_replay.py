@@ -26,10 +26,12 @@ same calls and measures each one:
 
 Child-process commands (the parent is ``bench/host_step_bench.py``)::
 
-    python -m bench.host_step_replay record --cache DIR --model NAME --depth D --seed S FAMILY...
+    python -m bench.host_step_replay record --cache DIR --model NAME --depth D --seed S
+        [--max-num-seqs N] FAMILY...
     python -m bench.host_step_replay replay --connector NAME --out FILE DIR...
 
-``record`` writes each missing recording under ``DIR/<family>_<model>_d<depth>_s<seed>_<version>``
+``record`` writes each missing recording under
+``DIR/<family>_<model>_d<depth>_s<seed>[_seqs<N>]_<version>``
 with a ``meta.json`` (step kinds, digests, counts) and prints the directories as JSON;
 ``replay`` replays the recordings in order, one fresh connector each, and pickles the times.
 """
@@ -150,19 +152,33 @@ def _fingerprint(trace: Any) -> str:
     return hashlib.blake2b(repr(trace).encode(), digest_size=8).hexdigest()
 
 
-def recording_dir(cache: Path, family: str, model: str, depth: int, seed: int) -> Path:
-    return cache / f"{family}_{model}_d{depth}_s{seed}_{RECORDING_VERSION}"
+def recording_dir(
+    cache: Path, family: str, model: str, depth: int, seed: int, max_num_seqs: int | None = None
+) -> Path:
+    seqs = f"_seqs{max_num_seqs}" if max_num_seqs else ""
+    return cache / f"{family}_{model}_d{depth}_s{seed}{seqs}_{RECORDING_VERSION}"
 
 
-def ensure_recording(cache: Path, family: str, model: str, depth: int, seed: int) -> Path:
-    """The directory of this trace's recording, recorded now unless the cache holds it for
-    the same trace (same fingerprint) and version."""
+def family_trace(family: str, model: str, depth: int, seed: int, max_num_seqs: int | None = None):
+    """The family's trace; ``max_num_seqs`` replaces its engine's (the family's own is sized
+    to its traffic; vLLM's serve default on H100/H200-class GPUs is 1,024), which sizes
+    the connectors and caps the requests the scheduler runs at once."""
     from bench.host_step_families import FAMILIES
-    from sim.recording import record_trace
 
     trace = FAMILIES[family].build(model_shape(model), depth, seed)
+    return trace.with_config(max_num_seqs=max_num_seqs) if max_num_seqs else trace
+
+
+def ensure_recording(
+    cache: Path, family: str, model: str, depth: int, seed: int, max_num_seqs: int | None = None
+) -> Path:
+    """The directory of this trace's recording, recorded now unless the cache holds it for
+    the same trace (same fingerprint) and version."""
+    from sim.recording import record_trace
+
+    trace = family_trace(family, model, depth, seed, max_num_seqs)
     fingerprint = _fingerprint(trace)
-    directory = recording_dir(cache, family, model, depth, seed)
+    directory = recording_dir(cache, family, model, depth, seed, max_num_seqs)
     meta_path = directory / "meta.json"
     if meta_path.exists():
         try:
@@ -184,6 +200,7 @@ def ensure_recording(cache: Path, family: str, model: str, depth: int, seed: int
         "model": model,
         "depth": depth,
         "seed": seed,
+        "max_num_seqs": trace.config.max_num_seqs,
         "version": RECORDING_VERSION,
         "fingerprint": fingerprint,
         "notes": trace.notes,
@@ -497,7 +514,9 @@ def _record_main(args: argparse.Namespace) -> int:
     dirs = []
     for family in args.families:
         t0 = time.perf_counter()
-        directory = ensure_recording(Path(args.cache), family, args.model, args.depth, args.seed)
+        directory = ensure_recording(
+            Path(args.cache), family, args.model, args.depth, args.seed, args.max_num_seqs
+        )
         print(
             f"  recorded {directory.name} ({time.perf_counter() - t0:.1f} s)",
             file=sys.stderr,
@@ -580,6 +599,7 @@ def main(argv: list[str] | None = None) -> int:
     rec.add_argument("--model", required=True)
     rec.add_argument("--depth", type=int, required=True)
     rec.add_argument("--seed", type=int, default=0)
+    rec.add_argument("--max-num-seqs", type=int, default=None)
     rec.add_argument("families", nargs="+")
     rep = sub.add_parser("replay", help="replay recordings through one connector")
     rep.add_argument("--connector", required=True, choices=CONNECTORS)

@@ -165,6 +165,22 @@ def test_models_beyond_the_headline_two_are_accepted_and_unknown_ones_refused(ca
     assert "Mixtral-8x22B" in err and "'Mixtral-8x7B'" not in err.split("unknown")[-1]
 
 
+def test_max_num_seqs_replaces_the_familys_and_keys_the_recording(tmp_path, capsys):
+    from bench.host_step_bench import main
+    from bench.host_step_replay import family_trace, recording_dir
+
+    own = family_trace("decode-8", "Qwen3-30B-A3B", 2, 0)
+    wide = family_trace("decode-8", "Qwen3-30B-A3B", 2, 0, max_num_seqs=1024)
+    assert own.config.max_num_seqs == 8 and wide.config.max_num_seqs == 1024
+    assert wide.with_config(max_num_seqs=8) == own  # nothing else changes
+    args = (tmp_path, "decode-8", "Qwen3-30B-A3B", 2, 0)
+    assert recording_dir(*args) != recording_dir(*args, 1024)
+    with pytest.raises(SystemExit) as exited:
+        main(["--max-num-seqs", "0", "--families", "decode-1"])
+    assert exited.value.code == 2
+    assert "--max-num-seqs must be >= 1" in capsys.readouterr().err
+
+
 def test_snapshot_stand_in_returns_the_staged_cast_for_one_launch_each_way(monkeypatch):
     import torch
 
