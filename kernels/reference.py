@@ -111,7 +111,10 @@ def gather_pack_reference_checked(args: dict, shape: GatherPackShape) -> None:
     # worker can hold, and converting all of [N, W] each step would be megabytes.
     table_device = args["slot_table"].device
     safe_row = torch.where(row_ok, row, 0)
-    window = args["block_window"][safe_row.to(table_device)].to(_CPU, torch.int64)
+    if num_table_rows:
+        window = args["block_window"][safe_row.to(table_device)].to(_CPU, torch.int64)
+    else:
+        window = torch.empty((num_reqs, 2), dtype=torch.int64)
     # Rows outside the table read the empty window [0, -1].
     window[~row_ok] = torch.tensor([0, -1])
     lo, hi = window.unbind(1)

@@ -90,6 +90,19 @@ def test_info_rows_past_num_reqs_untouched() -> None:
     assert bool((built["expected_info"][1:] == INFO_SENTINEL).all())
 
 
+@pytest.mark.parametrize("impl", ["triton", "reference"])
+def test_a_table_without_rows_fails_every_request_that_writes(impl: str) -> None:
+    args = clone_args(_valid_args())
+    args["slot_table"] = args["slot_table"][:0]
+    args["block_window"] = args["block_window"][:0]
+    dest_before = args["dest"].clone()
+    dest, info = run(impl, args, copy=False)
+    # Request 0 keeps 4 of its 5 rows, request 1 all 40: both need blocks the table lacks.
+    assert info[:2, 2].tolist() == [Status.BAD_BLOCK, Status.BAD_BLOCK]
+    assert info[:2, 1].tolist() == [-1, -1]
+    assert torch.equal(dest, dest_before)
+
+
 def _valid_args() -> dict:
     args = build(Case("valid", QWEN3_30B, 16, [Req(5, 3, 1), Req(1, 40)]))["args"]
     return dict(args, hash_block=None, num_slots=None)
