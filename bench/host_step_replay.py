@@ -159,7 +159,9 @@ def recording_dir(
     return cache / f"{family}_{model}_d{depth}_s{seed}{seqs}_{RECORDING_VERSION}"
 
 
-def family_trace(family: str, model: str, depth: int, seed: int, max_num_seqs: int | None = None):
+def family_trace(
+    family: str, model: str, depth: int, seed: int, max_num_seqs: int | None = None
+) -> Any:
     """The family's trace; ``max_num_seqs`` replaces its engine's (the family's own is sized
     to its traffic; vLLM's serve default on H100/H200-class GPUs is 1,024), which sizes
     the connectors and caps the requests the scheduler runs at once."""
