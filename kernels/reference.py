@@ -110,13 +110,9 @@ def gather_pack_reference_checked(args: dict, shape: GatherPackShape) -> None:
     # Only the entries the kernel reads are read: the tables have a row per request the
     # worker can hold, and converting all of [N, W] each step would be megabytes.
     table_device = args["slot_table"].device
-    safe_row = torch.where(row_ok, row, 0)
-    if num_table_rows:
-        window = args["block_window"][safe_row.to(table_device)].to(_CPU, torch.int64)
-    else:
-        window = torch.empty((num_reqs, 2), dtype=torch.int64)
     # Rows outside the table read the empty window [0, -1].
-    window[~row_ok] = torch.tensor([0, -1])
+    window = torch.tensor([0, -1]).repeat(num_reqs, 1)
+    window[row_ok] = args["block_window"][row[row_ok].to(table_device)].to(_CPU, torch.int64)
     lo, hi = window.unbind(1)
     first = torch.div(start.clamp(min=0), block, rounding_mode="floor")
     last = torch.div(start.clamp(min=0) + accepted - 1, block, rounding_mode="floor")
@@ -131,7 +127,8 @@ def gather_pack_reference_checked(args: dict, shape: GatherPackShape) -> None:
     i = torch.arange(req.numel()) - first_entry[req]
     pos = start[req] + i
     column = torch.div(pos, block, rounding_mode="floor") % ring
-    slot = args["slot_table"][safe_row[req].to(table_device), column.to(table_device)]
+    # Only requests with a row in the table have entries here (bad_table covers the rest).
+    slot = args["slot_table"][row[req].to(table_device), column.to(table_device)]
     slot = slot.to(_CPU, torch.int64)
     row_bad = (slot < 0) | (slot >= shape.num_slots)
     bad_block |= torch.zeros(num_reqs, dtype=torch.int64).index_add_(0, req, row_bad.long()) > 0

@@ -41,7 +41,6 @@ _ROW_BYTES = KEY_WORDS * 8
 _WORD = np.dtype("<u8")
 _KEY_OBJECT = np.dtype((np.void, _ROW_BYTES))
 _PREFIX = "vllm-artifact/"
-_PREFIX_BYTES = np.frombuffer(_PREFIX.encode(), dtype=np.uint8)
 _NO_ROWS = np.zeros((0, KEY_WORDS), dtype=_WORD)
 _NO_ROWS.flags.writeable = False
 # Canonical form only (no leading zeros, lowercase hex), so that key_string(parse(s)) == s.
@@ -144,8 +143,8 @@ def as_key_rows(keys: np.ndarray | Iterable[str], name: str = "keys") -> np.ndar
 
 class KeyObjects(tuple):
     """A batch of store keys, one 40-byte ``bytes`` per key row (the row's little-endian
-    words). Made only by ``key_objects`` (or ``join_key_objects``), so the store takes its
-    items without checking each one again."""
+    words). Made by ``key_objects``, or from the items of other ``KeyObjects`` (a slice,
+    ``join_key_objects``), so the store takes its items without checking each one again."""
 
     __slots__ = ()
 
