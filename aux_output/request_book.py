@@ -28,7 +28,7 @@ from r3capture.aux_output.publisher import Publisher
 from r3capture.aux_output.request_table import RequestTable
 from r3capture.aux_output.row_reader import RowReader
 from r3capture.aux_output.sizing import WorkerSizing, require_int
-from r3capture.aux_output.slot_planner import LOOKAHEAD_TOKENS, SlotPlanner
+from r3capture.aux_output.slot_planner import LOOKAHEAD_TOKENS, SlotPlanner, ring_widths
 from r3capture.aux_output.step_commit import StepLayout, commit_step
 from r3capture.aux_output.types import AuxOutputConnectorMetadata, AuxRequestOutput
 from r3capture.kernels import GatherPackArgumentError, GatherPackShape
@@ -51,15 +51,11 @@ class RequestBook:
         B = self._block_size = sizing.hash_block_size
         self.destination = destination
         depth = sizing.max_concurrent_batches
-        step_blocks = -(-sizing.max_num_batched_tokens // B) + 1
-        # A request that needs a new slot takes LOOKAHEAD_TOKENS more: most decode steps then
-        # find their block already in the device ring and upload nothing (bench/RESULTS.md).
         lookahead = -(-LOOKAHEAD_TOKENS // B)
-        # A request's unbound blocks span at most the steps in flight plus the one being
-        # prepared, each up to a full step of blocks, blocks waiting for their key, and the
-        # lookahead.
-        self.ring_width = (depth + 1) * step_blocks + 1 + lookahead
-        self.table = RequestTable(self.ring_width, capacity=sizing.max_num_seqs + 1)
+        ring_width, device_width = ring_widths(sizing.max_num_batched_tokens, B, depth)
+        self.table = RequestTable(
+            ring_width, capacity=sizing.max_num_seqs + 1, device_width=device_width
+        )
         self.generation = 0
         self.device_side: DeviceSide | None = None
         self._wait_for_device_writes = wait_for_device_writes
@@ -261,9 +257,9 @@ class RequestBook:
             raise input_batch_error(exc) from None
 
     def _attach(self) -> None:
-        """Make the device ring a mirror of the host ring again (both are replaced when the
-        table grows) and the kernel's destination the store's current arena."""
-        self.device_side.attach(self.table.ring, self._arena_blocks())
+        """Build the device ring from the table again (its arrays are replaced when it grows)
+        and make the kernel's destination the store's current arena."""
+        self.device_side.attach(self.table.device_ring(), self._arena_blocks())
         self._detached = False
 
     def _rows_in_flight(self) -> np.ndarray:

@@ -6,9 +6,16 @@ order; the same objects from the step their hashes arrive to the request's relea
 ring of store slots: the slot of hash block ``b`` sits at ``ring[row, b % W]``. The
 ring holds the request's *unbound* blocks ``base .. end - 1``: blocks complete and get keys
 in order, so everything below ``base`` is bound in the store (or was a cached prefix) and the
-unbound blocks are always one contiguous range of at most ``W`` blocks. Two more columns,
-``ring[row, W:W + 2]``, hold the window of blocks the kernel may write for the row, as it was
-when the row last took new slots; the device keeps a copy of the whole ring.
+unbound blocks are always one contiguous range of at most ``W`` blocks.
+
+The device keeps a narrower ring, ``D <= W`` columns plus two for the window of blocks the
+kernel may write for the row (``device_ring()``): a step writes only the blocks from its first
+row to the request's last block with a slot, and with several steps in flight the unbound
+range spans all of them. The window is the row's last ``D`` blocks with a slot (at most its
+unbound range), set when the row takes new slots and mirrored in ``ring[row, W:W + 2]``.
+Inside it, block ``b``'s slot sits at device column ``b % D``: blocks are taken in order and
+the window never holds two blocks ``D`` apart, so an entry, once uploaded, stays valid while
+its block is in the window, and a take uploads only its new blocks inside the new window.
 
 The table owns these invariants; callers change state only through its methods, except the
 cursor columns (``cursor``, ``scheduled``, ``emit``, ``finished``) that the step commit writes
@@ -32,12 +39,21 @@ class RequestTable:
     Args:
         ring_width: ``W``, most unbound blocks one request can hold.
         capacity: initial number of rows (doubles when full).
+        device_width: ``D`` (at most ``W``, the default), most blocks one step of a request
+            can write: the width of the device's ring.
     """
 
     _INT_FIELDS = ("cursor", "scheduled", "emit", "base", "end", "num_keys")
 
-    def __init__(self, ring_width: int, capacity: int = 64) -> None:
+    def __init__(
+        self, ring_width: int, capacity: int = 64, device_width: int | None = None
+    ) -> None:
         self.ring_width = int(ring_width)
+        self.device_width = self.ring_width if device_width is None else int(device_width)
+        if not 0 < self.device_width <= self.ring_width:
+            raise ValueError(
+                f"device_width must be in 1..ring_width ({self.ring_width}), got {device_width}"
+            )
         self.index: dict[str, int] = {}
         self._keys: list[list[bytes]] = []
         self._free_rows: list[int] = []
@@ -178,14 +194,14 @@ class RequestTable:
         ``allocate(n)`` (``n`` slots, taken row by row in block order); ``firsts[i]`` is the
         row's first block if it had none yet (ignored otherwise). int64 arrays ``[G]``.
 
-        Returns the ring entries that changed, for the device copy: ``(flat index into ring,
-        value)``, int64: the new slots, then each row's window ends. Vectorized over the rows:
-        a step's cost does not grow with how many requests cross a block boundary. Raises
-        ``OverflowError`` (before any change, and before ``allocate``) when a request would
-        hold more than ``ring_width`` unbound blocks.
+        Returns the device ring's changed entries (``device_ring()``'s layout): ``(flat
+        index, value)``, int64: the new slots inside each row's new window, row by row, then
+        each row's window starts and ends. Vectorized over the rows: a step's cost does not
+        grow with how many requests cross a block boundary. Raises ``OverflowError`` (before
+        any change, and before ``allocate``) when a request would hold more than
+        ``ring_width`` unbound blocks.
         """
-        width = self.ring_width
-        stride = width + 2
+        width, device_width = self.ring_width, self.device_width
         ends = self.end[rows]
         new_rows = ends == 0
         bases = np.where(new_rows, firsts, self.base[rows])
@@ -197,19 +213,26 @@ class RequestTable:
         counts = lasts + 1 - starts
         slots = allocate(int(counts.sum()))
         row_of, block = _block_runs(rows, starts, counts)
-        block %= width
-        block += row_of * stride
-        windows = rows * stride + width
+        lows = np.maximum(bases, lasts + 1 - device_width)
+        on_device = block >= np.repeat(lows, counts)
+        stride = width + 2
         ring = self.ring.reshape(-1)
-        ring[block] = slots
-        ring[windows] = bases
+        ring[row_of * stride + block % width] = slots
+        windows = rows * stride + width
+        ring[windows] = lows
         ring[windows + 1] = lasts
         self.base[rows] = bases
         self.end[rows] = lasts + 1
+        device_stride = device_width + 2
+        device_windows = rows * device_stride + device_width
         return (
-            np.concatenate((block, windows, windows + 1)),
-            np.concatenate((slots, bases, lasts)),
-        )
+            np.concatenate((
+                row_of[on_device] * device_stride + block[on_device] % device_width,
+                device_windows,
+                device_windows + 1,
+            )),
+            np.concatenate((slots[on_device], lows, lasts)),
+        )  # fmt: skip
 
     def take_slots_per_request(
         self,
@@ -221,8 +244,8 @@ class RequestTable:
         """``take_slots`` for a few requests, as a loop over Python ints: the same ring,
         cursors, ``allocate`` call, result and errors, with ~4 numpy calls per request
         instead of ~30 per call (``bench/RESULTS.md``, fast paths)."""
-        width = self.ring_width
-        stride = width + 2
+        width, device_width = self.ring_width, self.device_width
+        device_stride = device_width + 2
         base, end, ring = self.base, self.end, self.ring
         bases, starts = [], []
         for row, first, last in zip(rows, firsts, lasts):
@@ -234,28 +257,42 @@ class RequestTable:
             starts.append(first if old_end == 0 else old_end)
         counts = [last + 1 - start for start, last in zip(starts, lasts)]
         slots = allocate(sum(counts))
-        flat = []
+        lows = [max(row_base, last + 1 - device_width) for row_base, last in zip(bases, lasts)]
+        index, values = [], []
         taken = 0
-        for row, start, count in zip(rows, starts, counts):
-            # Blocks start .. last sit in ring columns from start % W on, wrapping at W.
-            column = start % width
-            while count:
-                n = min(count, width - column)
-                ring[row, column : column + n] = slots[taken : taken + n]
-                flat.append(np.arange(row * stride + column, row * stride + column + n))
-                taken += n
-                count -= n
-                column = 0
-        windows = [row * stride + width for row in rows]
-        for row, row_base, last in zip(rows, bases, lasts):
-            ring[row, width] = row_base
-            ring[row, width + 1] = last
-            base[row] = row_base
+        for row, start, count, low, last in zip(rows, starts, counts, lows, lasts):
+            row_slots = slots[taken : taken + count]
+            taken += count
+            done = 0
+            for column, n in _wrapped_columns(start, count, width):
+                ring[row, column : column + n] = row_slots[done : done + n]
+                done += n
+            ring[row, width : width + 2] = low, last
             end[row] = last + 1
+            skip = max(low - start, 0)
+            for column, n in _wrapped_columns(start + skip, count - skip, device_width):
+                first = row * device_stride + column
+                index.append(np.arange(first, first + n))
+            values.append(row_slots[skip:])
+        base[rows] = bases
+        device_windows = [row * device_stride + device_width for row in rows]
         return (
-            np.concatenate((*flat, windows, [window + 1 for window in windows])),
-            np.concatenate((slots, bases, lasts)),
+            np.concatenate((*index, device_windows, [w + 1 for w in device_windows])),
+            np.concatenate((*values, lows, lasts)),
         )
+
+    def device_ring(self) -> np.ndarray:
+        """What the device's ring must hold now, int32 ``[capacity, D + 2]``: each row's
+        window (``ring[:, W:W + 2]``) and the slots of the blocks in it at column
+        ``block % D``; -1 elsewhere. ``take_slots``' updates keep a copy of it current."""
+        width, device_width = self.ring_width, self.device_width
+        device = np.full((self._capacity, device_width + 2), -1, np.int32)
+        device[:, device_width:] = self.ring[:, width:]
+        rows = self.end.nonzero()[0]
+        lows = self.ring[rows, width].astype(np.int64)
+        row_of, block = _block_runs(rows, lows, self.end[rows] - lows)
+        device[row_of, block % device_width] = self.ring[row_of, block % width]
+        return device
 
     def take_leading(self, rows: np.ndarray, counts: np.ndarray) -> np.ndarray:
         """Hand the first ``counts[i]`` unbound blocks of each ``rows[i]`` (distinct; int64
@@ -306,6 +343,15 @@ def _ring_overflow(needed: int, width: int) -> OverflowError:
     return OverflowError(
         f"a request needs {needed} unbound hash blocks, more than the slot ring holds ({width})"
     )
+
+
+def _wrapped_columns(first: int, count: int, width: int) -> list[tuple[int, int]]:
+    """Blocks ``first .. first + count - 1`` (``count <= width``) of a ring ``width`` wide, as
+    ``(first column, number of columns)`` runs: one, or two where the blocks wrap."""
+    column = first % width
+    if column + count <= width:
+        return [(column, count)] if count else []
+    return [(column, width - column), (0, column + count - width)]
 
 
 def _block_runs(

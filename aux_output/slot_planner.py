@@ -27,9 +27,29 @@ from r3capture.store import BlockStore
 
 # How far past its scheduled rows a request's slots reach when it takes new ones.
 LOOKAHEAD_TOKENS = 256
+# Most draft tokens a step's device positions may sit below the scheduler's start: a request
+# reattaches at its cursor after the previous step rejected that many (the device ring's
+# window has room for it).
+REATTACH_TOKENS = 256
 # Steps where at most this many requests grow take their slots request by request (a
 # prefill chunk, a new prefix hit): ~4 numpy calls each against ~30 for the vector pass.
 FEW_GROWING = 4
+
+
+def ring_widths(max_num_batched_tokens: int, block_size: int, depth: int) -> tuple[int, int]:
+    """``(W, D)``: the host ring's width (most unbound blocks one request can hold) and the
+    device ring's (most blocks one step of a request can write), in hash blocks.
+
+    A request's unbound blocks span the steps in flight plus the one being prepared, each up
+    to a full step of blocks, the blocks waiting for their keys, and the lookahead. The
+    kernel needs only one step's: its rows from the first block (up to ``REATTACH_TOKENS``
+    below the scheduler's start) to the lookahead past the last.
+    """
+    step_blocks = -(-max_num_batched_tokens // block_size) + 1
+    lookahead = -(-LOOKAHEAD_TOKENS // block_size)
+    reattach = -(-REATTACH_TOKENS // block_size)
+    width = (depth + 1) * step_blocks + 1 + lookahead
+    return width, min(width, step_blocks + 1 + lookahead + reattach)
 
 
 class _SlotsFreed(Exception):

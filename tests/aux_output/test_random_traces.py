@@ -14,7 +14,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from r3capture.aux_output import row_reader, step_commit
+from r3capture.aux_output import row_reader, slot_planner, step_commit
 from sim import (
     make_trace,
     make_vllm_worker,
@@ -70,6 +70,31 @@ def test_random_trace_workers_byte_identical(seed, device_rejections, vector_ope
     assert diff_results(ref, got) is None, diff_results(ref, got)
     assert ref.error is None, ref.error
     assert got.check_ground_truth() == ref.check_ground_truth()
+
+
+@SETTINGS
+@given(seed=SEEDS, device_rejections=st.booleans(), budget=st.sampled_from([None, 16]))
+def test_random_trace_workers_byte_identical_on_the_narrowest_device_ring(
+    seed, device_rejections, budget
+):
+    """With a one-token lookahead and room for only the 3 draft tokens these traces draw
+    at most (the rows a request may reattach below the scheduler's start), the device ring
+    is as narrow as its bound allows and most requests wrap it: still byte-identical."""
+    trace = random_trace(seed, **({} if budget is None else {"max_num_batched_tokens": budget}))
+    ref = run_trace(trace, make_vllm_worker, catch_errors=True, check=False)
+    factory = r3capture_worker_factory(kernel_impl="reference", pass_num_rejected=device_rejections)
+    with (
+        mock.patch.object(slot_planner, "LOOKAHEAD_TOKENS", 1),
+        mock.patch.object(slot_planner, "REATTACH_TOKENS", 3),
+    ):
+        config = trace.config
+        width, device_width = slot_planner.ring_widths(
+            config.max_num_batched_tokens, config.hash_block_size, config.max_concurrent_batches
+        )
+        got = run_trace(trace, factory, catch_errors=True, check=False)
+    assert device_width < width
+    assert diff_results(ref, got) is None, diff_results(ref, got)
+    assert ref.error is None, ref.error
 
 
 @settings(SETTINGS, max_examples=8)

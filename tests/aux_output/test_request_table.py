@@ -127,6 +127,90 @@ def test_per_request_and_vectorized_slot_taking_agree(seed):
     assert results[0] == results[1]
 
 
+def test_device_ring_is_narrower_and_holds_the_last_blocks_taken(take):
+    table = RequestTable(ring_width=6, device_width=3)
+    a = table.add("a", 0)
+    D2 = 3 + 2  # device ring columns plus the block window
+    index, values = take(table, [a], [0], [1], [10, 11])
+    assert index.tolist() == [a * D2 + 0, a * D2 + 1, a * D2 + 3, a * D2 + 4]
+    assert values.tolist() == [10, 11, 0, 1]
+    # Blocks 2..4 take five unbound blocks on the host; the device window is the last three,
+    # so block 1 stays unbound on the host but leaves the device ring.
+    index, values = take(table, [a], [0], [4], [12, 13, 14])
+    assert index.tolist() == [a * D2 + 2, a * D2 + 0, a * D2 + 1, a * D2 + 3, a * D2 + 4]
+    assert values.tolist() == [12, 13, 14, 2, 4]
+    assert table.unbound_slots(np.array([a])).tolist() == [10, 11, 12, 13, 14]
+    index, values = take(table, [a], [0], [5], [15])
+    assert values.tolist() == [15, 3, 5] and index.tolist() == [a * D2 + 2, a * D2 + 3, a * D2 + 4]
+    # A take longer than the device ring uploads only the blocks inside the new window.
+    table.take_leading(np.array([a]), np.array([5]))  # blocks 0..4 bound: base 5
+    index, values = take(table, [a], [0], [9], [16, 17, 18, 19])
+    assert values.tolist() == [17, 18, 19, 7, 9]  # block 6 is host-only
+    assert table.device_ring()[a].tolist() == [19, 17, 18, 7, 9]  # blocks 9, 7, 8
+
+
+def test_device_width_must_fit_the_ring():
+    with pytest.raises(ValueError, match="device_width must be in 1..ring_width \\(4\\), got 5"):
+        RequestTable(ring_width=4, device_width=5)
+
+
+@pytest.mark.parametrize("seed", range(150))
+def test_device_ring_updates_keep_a_copy_equal_to_the_rebuilt_ring(seed, take):
+    """Uploading each take's updates (never two to one entry) into a copy of the device
+    ring, rebuilt only when the table grows, keeps every window's entries equal to
+    ``device_ring()`` and to the host ring's slots, on random narrow rings."""
+    rng = np.random.default_rng(seed)
+    width = int(rng.integers(2, 10))
+    device_width = int(rng.integers(1, width + 1))
+    table = RequestTable(ring_width=width, capacity=2, device_width=device_width)
+    next_slot = 0
+    copy = table.device_ring()
+    names = iter(range(10**6))
+    for _ in range(12):
+        if rng.random() < 0.3 or len(table) < 3:
+            capacity = table.capacity
+            new = [f"r{next(names)}" for _ in range(int(rng.integers(2, 4)))]
+            table.add_many(new, [0] * len(new))
+            if table.capacity != capacity:
+                copy = table.device_ring()  # the worker attaches again after a growth
+        if rng.random() < 0.2:  # its row is reused fresh by a later request
+            table.remove([next(iter(table.index))])
+        live = table.live_rows()
+        chosen = rng.choice(live, size=int(rng.integers(1, len(live) + 1)), replace=False)
+        held = table.end[chosen] - table.base[chosen]
+        table.take_leading(chosen, np.minimum(held, rng.integers(0, 3, len(chosen))))
+        firsts = rng.integers(0, 20, len(chosen))
+        starts = np.where(table.end[chosen] > 0, table.end[chosen], firsts)
+        # Takes of up to twice the device ring's width, within the host ring's.
+        lasts = starts + rng.integers(0, 2 * device_width + 1, len(chosen))
+        bases = np.where(table.end[chosen] > 0, table.base[chosen], firsts)
+        lasts = np.minimum(lasts, bases + width - 1)
+        grow = lasts >= starts
+        rows, firsts, lasts = chosen[grow], firsts[grow], lasts[grow]
+        if not len(rows):
+            continue
+        count = int((lasts + 1 - starts[grow]).sum())
+        slots = list(range(next_slot, next_slot + count))
+        next_slot += count
+        index, values = take(table, rows.tolist(), firsts.tolist(), lasts.tolist(), slots)
+        assert len(set(index.tolist())) == len(index)
+        copy.reshape(-1)[index] = values
+        rebuilt = table.device_ring()
+        for row in table.live_rows().tolist():
+            if not table.end[row]:
+                continue
+            lo, hi = copy[row, device_width:].tolist()
+            assert hi == table.end[row] - 1 and lo >= max(table.end[row] - device_width, 0)
+            blocks = np.arange(lo, hi + 1)
+            assert copy[row, blocks % device_width].tolist() == (
+                rebuilt[row, blocks % device_width].tolist()
+            )
+            assert copy[row, blocks % device_width].tolist() == (
+                table.ring[row, blocks % width].tolist()
+            )
+            assert rebuilt[row, device_width:].tolist() == [lo, hi]
+
+
 def test_new_rows_have_an_empty_window():
     table = RequestTable(ring_width=2, capacity=1)
     rows = [table.add(name, 0) for name in "abc"]  # grows twice
