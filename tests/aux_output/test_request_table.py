@@ -312,3 +312,16 @@ def test_window_slots_per_request_and_vectorized_agree(seed, monkeypatch):
     assert len(unbound) == held.sum() and len(leading) == handed.sum()
     # Row by row, the handed-over blocks are the leading part of what was unbound.
     assert sorted(leading + rest) == sorted(unbound)
+
+
+def test_ring_widths_keep_one_step_on_the_device():
+    from r3capture.aux_output.slot_planner import ring_widths
+
+    # 8,192-token budget, B = 16, two steps in flight: the host holds three steps of 513
+    # blocks (a partial first block included), one more and 16 of lookahead; the device one
+    # step, one more, the lookahead and 16 blocks of reattachment.
+    assert ring_widths(8192, 16, 2) == (3 * 513 + 1 + 16, 513 + 1 + 16 + 16)
+    assert ring_widths(8192, 16, 1) == (2 * 513 + 1 + 16, 513 + 1 + 16 + 16)
+    # Small budgets: the lookahead and reattachment room outgrow the steps in flight, and
+    # the device ring is the host's.
+    assert ring_widths(64, 4, 2) == (3 * 17 + 1 + 64,) * 2
