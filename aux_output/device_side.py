@@ -88,7 +88,7 @@ class DeviceSide:
         kernel_impl: ``auto`` | ``triton`` | ``reference``.
 
     ``attach(ring, arena_blocks)`` must be called before the first launch and whenever the
-    host ring or the store arena is replaced.
+    request table or the store arena is replaced.
     """
 
     def __init__(
@@ -149,9 +149,10 @@ class DeviceSide:
         self._row_nbytes = L * K * self.dtype.itemsize
 
     def attach(self, ring_host: np.ndarray, arena_blocks: torch.Tensor) -> None:
-        """(Re)build the device copy of the host ring ``int32 [rows, W + 2]`` (slots, then
-        each row's block window) and the launches for the store arena ``[slots, B, L, K]``:
-        at start, and when either is replaced (the request table or the store grew)."""
+        """(Re)build the device ring from ``ring_host``, int32 ``[rows, D + 2]`` (slots, then
+        each row's block window: ``RequestTable.device_ring()``), and the launches for the
+        store arena ``[slots, B, L, K]``: at start, and when either is replaced (the request
+        table or the store grew)."""
         ring = torch.from_numpy(ring_host).to(self.device, copy=True)
         width = ring.shape[1] - 2
         self._ring_flat = ring.view(-1)
@@ -170,6 +171,16 @@ class DeviceSide:
             )
             for i in range(self._depth)
         ]
+
+    @property
+    def device_bytes(self) -> int:
+        """Bytes of the buffers this side keeps on the device (beyond vLLM's capture buffer
+        and the store's host arena): the slot ring with its windows, the upload buffer, each
+        step's ``step_info`` and, for ``staging``, each step's staging rows."""
+        buffers = [self._upload_dev, *self._info_dev, *self._staging_dev]
+        if self._ring_flat is not None:
+            buffers.append(self._ring_flat)
+        return sum(t.numel() * t.element_size() for t in buffers)
 
     def check_step(
         self,

@@ -9,4 +9,5 @@ BENCHMARKS: dict[str, str] = {
     "host_step": "bench.host_step_bench",
     "kernel": "bench.kernel_bench",
     "nvml": "bench.nvml_profile",
+    "device_memory": "bench.device_memory",
 }

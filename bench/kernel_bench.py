@@ -73,6 +73,7 @@ import triton  # noqa: E402
 
 from bench.common import RESULTS_DIR, Result, machine_info, write_results  # noqa: E402
 from bench.stand_ins import launch_stand_in  # noqa: E402
+from r3capture.aux_output.slot_planner import ring_widths  # noqa: E402
 from r3capture.kernels import (  # noqa: E402
     GatherPackLaunch,
     can_write_host_directly,
@@ -108,10 +109,8 @@ CPU_SIZES = Sizes(256, 16, (1, 16), 4, 16, 2_000)
 
 
 def ring_width(max_tokens: int, block: int, depth: int = DEPTH) -> int:
-    """W as the worker sizes it: a request's unmapped-yet blocks span the steps in flight
-    plus the one being prepared, each up to a full step of blocks, plus one."""
-    step_blocks = -(-max_tokens // block) + 1
-    return (depth + 1) * step_blocks + 1
+    """The device ring's width D, as the worker sizes it (``slot_planner.ring_widths``)."""
+    return ring_widths(max_tokens, block, depth)[1]
 
 
 @dataclass(frozen=True)
