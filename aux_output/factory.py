@@ -25,6 +25,7 @@ import numpy as np
 
 from r3capture.aux_output import compat
 from r3capture.aux_output.sizing import WorkerSizing
+from r3capture.aux_output.slot_planner import REATTACH_TOKENS
 
 logger = logging.getLogger("vllm.r3capture")
 
@@ -44,6 +45,15 @@ def worker_sizing(
     dtype: np.dtype | str,
 ) -> WorkerSizing:
     """Sizing of the worker from the config and the resolved KV-cache block sizes."""
+    num_drafts = getattr(vllm_config, "num_speculative_tokens", 0) or 0
+    if num_drafts > REATTACH_TOKENS:
+        # The device ring's window leaves room for this many rejected rows below the
+        # scheduler's start; more would make the kernel refuse a request mid-run.
+        raise ValueError(
+            f"r3capture: --aux-output-backend triton supports up to {REATTACH_TOKENS} "
+            f"speculative tokens per step, got num_speculative_tokens={num_drafts}; use "
+            "vLLM's own backend for more"
+        )
     dtype = np.dtype(dtype)
     block_nbytes = hash_block_size * int(np.prod(shape_per_token)) * dtype.itemsize
     max_bytes = vllm_config.aux_output_config.max_bytes

@@ -183,6 +183,26 @@ def test_factory_sizing_follows_vllm():
     ).max_bytes == 12345  # fmt: skip
 
 
+def test_factory_refuses_more_drafts_than_the_device_window_has_room_for():
+    from r3capture.aux_output.factory import worker_sizing
+    from r3capture.aux_output.slot_planner import REATTACH_TOKENS
+
+    config = types.SimpleNamespace(
+        aux_output_config=types.SimpleNamespace(max_bytes=None),
+        scheduler_config=types.SimpleNamespace(max_num_seqs=8, max_num_batched_tokens=512),
+        max_concurrent_batches=2,
+        num_speculative_tokens=REATTACH_TOKENS,
+    )
+    kwargs = dict(
+        num_kv_blocks=10, scheduler_block_size=16, hash_block_size=16, shape_per_token=(2, 2),
+        dtype="uint8",
+    )  # fmt: skip
+    assert worker_sizing(config, **kwargs).max_num_seqs == 8
+    config.num_speculative_tokens = REATTACH_TOKENS + 1
+    with pytest.raises(ValueError, match="up to 256 speculative tokens per step, got num_spec"):
+        worker_sizing(config, **kwargs)
+
+
 def _vllm_033_installed() -> bool:
     version = compat.vllm_version()
     return version is not None and version.startswith("0.33")
