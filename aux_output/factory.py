@@ -46,13 +46,15 @@ def worker_sizing(
 ) -> WorkerSizing:
     """Sizing of the worker from the config and the resolved KV-cache block sizes."""
     num_drafts = getattr(vllm_config, "num_speculative_tokens", 0) or 0
-    if num_drafts > REATTACH_TOKENS:
-        # The device ring's window leaves room for this many rejected rows below the
-        # scheduler's start; more would make the kernel refuse a request mid-run.
+    depth = vllm_config.max_concurrent_batches
+    # A step's rows may start below the scheduler's start by the drafts rejected in the
+    # steps still in flight; the device ring's window leaves room for REATTACH_TOKENS of
+    # them, and more would make the kernel refuse a request mid-run.
+    if max(depth - 1, 1) * num_drafts > REATTACH_TOKENS:
         raise ValueError(
             f"r3capture: --aux-output-backend triton supports up to {REATTACH_TOKENS} "
-            f"speculative tokens per step, got num_speculative_tokens={num_drafts}; use "
-            "vLLM's own backend for more"
+            "draft tokens in the steps in flight, got num_speculative_tokens="
+            f"{num_drafts} with max_concurrent_batches={depth}; use vLLM's own backend"
         )
     dtype = np.dtype(dtype)
     block_nbytes = hash_block_size * int(np.prod(shape_per_token)) * dtype.itemsize

@@ -199,7 +199,14 @@ def test_factory_refuses_more_drafts_than_the_device_window_has_room_for():
     )  # fmt: skip
     assert worker_sizing(config, **kwargs).max_num_seqs == 8
     config.num_speculative_tokens = REATTACH_TOKENS + 1
-    with pytest.raises(ValueError, match="up to 256 speculative tokens per step, got num_spec"):
+    with pytest.raises(ValueError, match="up to 256 draft tokens in the steps in flight, got"):
+        worker_sizing(config, **kwargs)
+    # Three steps in flight: two steps' drafts may be rejected before a step starts.
+    config.max_concurrent_batches = 3
+    config.num_speculative_tokens = REATTACH_TOKENS // 2
+    assert worker_sizing(config, **kwargs).max_concurrent_batches == 3
+    config.num_speculative_tokens += 1
+    with pytest.raises(ValueError, match="num_speculative_tokens=129 with max_concurrent_bat"):
         worker_sizing(config, **kwargs)
 
 
