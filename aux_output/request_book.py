@@ -28,7 +28,7 @@ from r3capture.aux_output.publisher import Publisher
 from r3capture.aux_output.request_table import RequestTable
 from r3capture.aux_output.row_reader import RowReader
 from r3capture.aux_output.sizing import WorkerSizing, require_int
-from r3capture.aux_output.slot_planner import LOOKAHEAD_TOKENS, SlotPlanner, ring_widths
+from r3capture.aux_output.slot_planner import SlotPlanner, lookahead_blocks, ring_widths
 from r3capture.aux_output.step_commit import StepLayout, commit_step
 from r3capture.aux_output.types import AuxOutputConnectorMetadata, AuxRequestOutput
 from r3capture.kernels import GatherPackArgumentError, GatherPackShape
@@ -51,7 +51,7 @@ class RequestBook:
         B = self._block_size = sizing.hash_block_size
         self.destination = destination
         depth = sizing.max_concurrent_batches
-        lookahead = -(-LOOKAHEAD_TOKENS // B)
+        lookahead = lookahead_blocks(B)
         ring_width, device_width = ring_widths(sizing.max_num_batched_tokens, B, depth)
         self.table = RequestTable(
             ring_width, capacity=sizing.max_num_seqs + 1, device_width=device_width

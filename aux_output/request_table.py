@@ -317,10 +317,8 @@ class RequestTable:
             width, ring = self.ring_width, self.ring
             parts = [_NO_SLOTS]
             for row, first, count in zip(rows.tolist(), firsts.tolist(), counts.tolist()):
-                column = first % width
-                parts.append(ring[row, column : min(column + count, width)])
-                if column + count > width:  # wrapped past the last ring column
-                    parts.append(ring[row, : column + count - width])
+                for column, n in _wrapped_columns(first, count, width):
+                    parts.append(ring[row, column : column + n])
             return np.concatenate(parts).astype(np.int64, copy=False)
         row_of, block = _block_runs(rows, firsts, counts)
         return self.ring[row_of, block % self.ring_width].astype(np.int64)

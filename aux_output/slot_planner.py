@@ -36,6 +36,11 @@ REATTACH_TOKENS = 256
 FEW_GROWING = 4
 
 
+def lookahead_blocks(block_size: int) -> int:
+    """``LOOKAHEAD_TOKENS`` in hash blocks of ``block_size`` tokens (rounded up)."""
+    return -(-LOOKAHEAD_TOKENS // block_size)
+
+
 def ring_widths(max_num_batched_tokens: int, block_size: int, depth: int) -> tuple[int, int]:
     """``(W, D)``: the host ring's width (most unbound blocks one request can hold) and the
     device ring's (most blocks one step of a request can write), in hash blocks.
@@ -46,7 +51,7 @@ def ring_widths(max_num_batched_tokens: int, block_size: int, depth: int) -> tup
     below the scheduler's start) to the lookahead past the last.
     """
     step_blocks = -(-max_num_batched_tokens // block_size) + 1
-    lookahead = -(-LOOKAHEAD_TOKENS // block_size)
+    lookahead = lookahead_blocks(block_size)
     reattach = -(-REATTACH_TOKENS // block_size)
     width = (depth + 1) * step_blocks + 1 + lookahead
     return width, min(width, step_blocks + 1 + lookahead + reattach)
@@ -74,7 +79,7 @@ class SlotPlanner:
         self._store = store
         self._block_size = block_size
         self._apply_teardown = apply_teardown
-        self.lookahead_blocks = -(-LOOKAHEAD_TOKENS // block_size)
+        self.lookahead_blocks = lookahead_blocks(block_size)
 
     def take_slots(self, layout: StepLayout) -> tuple[np.ndarray, np.ndarray] | None:
         """New slots for the step's requests whose scheduled rows reach past their last block
