@@ -10,4 +10,5 @@ BENCHMARKS: dict[str, str] = {
     "kernel": "bench.kernel_bench",
     "nvml": "bench.nvml_profile",
     "device_memory": "bench.device_memory",
+    "triton_launch": "bench.triton_launch",
 }

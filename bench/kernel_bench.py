@@ -14,7 +14,8 @@ prefill, speculative decoding with k=3) it times, with ``triton.testing.do_bench
   vllm               buffer[:n].to(dtype) + .to("cpu", non_blocking=True) of it and of
                      num_rejected + stream sync + per-request host slicing of accepted rows
 and, as thread-CPU time of the launching thread alone (``host``; nothing waits inside it):
-  r3capture-launch   the worker's launch: per-step argument checks + Triton's launcher
+  r3capture-launch   the worker's launch: per-step argument checks + the compiled variant's
+                     launch (through Triton's JIT on the first call only)
   vllm-cast-launch   the launch of vLLM's snapshot cast
   launch-stand-in    the one torch op that stands for either launch in ``bench/host_step``
                      on a CPU (``bench/stand_ins.py``): how far that stand-in is from both

@@ -1,0 +1,102 @@
+"""``GatherPackLaunch`` launches the variant Triton's JIT would, with the same arguments.
+
+After its first launch per per-step dtype combination, the launcher calls the compiled
+variant directly instead of going through Triton's JIT (``bench.run triton_launch``: ~8 µs
+less host CPU per launch). With no GPU, ``bench/no_gpu_driver.py`` stands in for the CUDA
+driver (the kernel compiles for sm_90, the launcher records its arguments and runs nothing),
+in a subprocess where TRITON_INTERPRET is unset. For a run of steps with every dtype
+combination, request counts that Triton would specialize (1, multiples of 16) and per-step
+tensors at unaligned addresses, each step is launched both ways and the driver must receive
+the same call, from the same compiled variant.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+
+_SCRIPT = r"""
+import json
+import torch
+from bench.models import MODELS
+from bench.no_gpu_driver import no_gpu_driver
+from bench.triton_launch import jit_launch, make_launch
+from r3capture.kernels.gather_pack import _gather_pack_kernel
+
+jit_runs = []
+jit_run = type(_gather_pack_kernel).run
+def counted_run(self, *args, **kwargs):
+    jit_runs.append(1)
+    return jit_run(self, *args, **kwargs)
+type(_gather_pack_kernel).run = counted_run
+
+def same_value(x, y):
+    if hasattr(x, "data") and hasattr(x, "extras"):  # launch metadata: made anew per launch
+        return type(x) is type(y) and x.data == y.data and x.extras == y.extras
+    return x is y or (not torch.is_tensor(x) and x == y)
+
+def same(a, b):
+    return len(a) == len(b) and all(same_value(x, y) for x, y in zip(a, b))
+
+model = [m for m in MODELS if m.name == "Qwen3-30B-A3B"][0]
+steps = []
+for num_reqs in (1, 5, 16, 33):
+    for qsl_dtype in (torch.int32, torch.int64):
+        for pos_dtype in (torch.int64, torch.int32):
+            for rejected_dtype in (None, torch.int32, torch.int64):
+                for offset in (0, 1):
+                    steps.append((num_reqs, qsl_dtype, pos_dtype, rejected_dtype, offset))
+report = {"steps": 0, "same_call": 0, "same_variant": 0, "launcher_jit_runs": 0, "keys": 0}
+with no_gpu_driver(90, record=True) as driver:
+    launch, _ = make_launch(model, pass_rejected=False)
+    for num_reqs, qsl_dtype, pos_dtype, rejected_dtype, offset in steps:
+        # offset 1: the tensors start 4 or 8 bytes into a buffer (not 16-byte aligned).
+        qsl = torch.arange(num_reqs + 1 + offset, dtype=qsl_dtype)[offset:] - offset
+        positions = torch.zeros(8192 + offset, dtype=pos_dtype)[offset:]
+        rejected = None
+        if rejected_dtype is not None:
+            rejected = torch.zeros(num_reqs + offset, dtype=rejected_dtype)[offset:]
+        shape = launch.check_step(qsl, positions, rejected, num_rows=num_reqs)
+        before = len(jit_runs)
+        launch.launch_checked(shape, qsl, positions, rejected)
+        report["launcher_jit_runs"] += len(jit_runs) - before
+        ours = driver.launches.pop()
+        variant = jit_launch(launch, shape, qsl, positions, rejected)
+        theirs = driver.launches.pop()
+        report["steps"] += 1
+        report["same_call"] += same(ours, theirs)
+        report["same_variant"] += any(v is variant for v in launch._variants.values())
+    report["keys"] = len(launch._variants)
+    report["no_launch_left"] = not driver.launches
+print(json.dumps(report))
+"""
+
+
+@pytest.mark.slow
+def test_direct_launch_matches_tritons_jit(tmp_path) -> None:
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["TRITON_CACHE_DIR"] = str(tmp_path / "triton-cache")
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
+    proc = subprocess.run(
+        [sys.executable, "-c", _SCRIPT],
+        env=env, cwd=ROOT, capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    report = json.loads(proc.stdout.strip().splitlines()[-1])
+    steps = 4 * 2 * 2 * 3 * 2
+    # Variants: qsl x positions x (no rejected, int32, int64); one JIT run for each.
+    assert report == {
+        "steps": steps,
+        "same_call": steps,
+        "same_variant": steps,
+        "launcher_jit_runs": 2 * 2 * 3,
+        "keys": 2 * 2 * 3,
+        "no_launch_left": True,
+    }
