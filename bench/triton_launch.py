@@ -9,9 +9,9 @@ as for vLLM's snapshot cast. Here, with ``bench/no_gpu_driver.py`` as Triton's d
 kernel compiles for sm_90; the launcher runs nothing), the CPU times what a launch costs
 before the driver's C launcher, per call, thread CPU, worker-shaped arguments:
 
-* ``triton_jit``: ``_gather_pack_kernel[grid](**kwargs)``, Triton's JIT path (binding and
-  specializing every argument, the variant cache, the launch): how r3capture launched
-  before it kept its variants;
+* ``triton_jit``: the grid by ``triton.cdiv``, then ``_gather_pack_kernel[grid](**kwargs)``,
+  Triton's JIT path (binding and specializing every argument, the variant cache, the
+  launch): how r3capture launched before it kept its variants;
 * ``r3capture_launch``: ``GatherPackLaunch.launch_checked`` as the worker calls it: the
   variant found by dtypes, launched directly with the same arguments;
 * ``check_step``: the launcher's per-step checks of the batch's device inputs, which both
@@ -32,6 +32,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
+import triton
 
 from bench.common import RESULTS_DIR, make_result, run_interleaved, write_results
 from bench.models import MODELS
@@ -84,8 +85,9 @@ def make_launch(model, *, pass_rejected: bool):
 
 
 def jit_launch(launch, shape, qsl, positions, rejected):
-    """What ``launch_checked`` did before it kept its variants: the JIT call, every step.
-    Returns the compiled variant the JIT launched."""
+    """What ``launch_checked`` did after its checks until 2026-12-02 (d89ed5a's parent):
+    the grid by ``triton.cdiv``, then the JIT call, every step. Returns the compiled variant
+    the JIT launched."""
     gather_pack = importlib.import_module("r3capture.kernels.gather_pack")
     kwargs = dict(
         launch._kernel_args,
@@ -99,7 +101,10 @@ def jit_launch(launch, shape, qsl, positions, rejected):
     )
     tiles = launch._tiles
     grid = (
-        max(-(-shape.row_limit // tiles["BLOCK_ROWS"]), -(-shape.num_reqs // tiles["BLOCK_REQS"])),
+        max(
+            triton.cdiv(shape.row_limit, tiles["BLOCK_ROWS"]),
+            triton.cdiv(shape.num_reqs, tiles["BLOCK_REQS"]),
+        ),
     )
     return gather_pack._gather_pack_kernel[grid](**kwargs)
 

@@ -1,7 +1,7 @@
 """``GatherPackLaunch`` launches the variant Triton's JIT would, with the same arguments.
 
 After its first launch per per-step dtype combination, the launcher calls the compiled
-variant directly instead of going through Triton's JIT (``bench.run triton_launch``: ~8 µs
+variant directly instead of going through Triton's JIT (``bench.run triton_launch``: ~11 µs
 less host CPU per launch). With no GPU, ``bench/no_gpu_driver.py`` stands in for the CUDA
 driver (the kernel compiles for sm_90, the launcher records its arguments and runs nothing),
 in a subprocess where TRITON_INTERPRET is unset. For a run of steps with every dtype
