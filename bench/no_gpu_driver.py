@@ -62,9 +62,14 @@ class NoGpuDriver:
 
 
 class _Utils:
+    def __init__(self) -> None:
+        self._loaded = 0
+
     def load_binary(self, name, kernel, shared, device):
-        # (module, function, registers, spills, max threads per block): handles nobody uses.
-        return (1, 1, 0, 0, 1024)
+        # (module, function, registers, spills, max threads per block). Each compiled
+        # variant gets its own handles, so a recorded launch says which variant it ran.
+        self._loaded += 1
+        return (self._loaded, self._loaded, 0, 0, 1024)
 
     def get_device_properties(self, device):
         return dict(_PROPERTIES)

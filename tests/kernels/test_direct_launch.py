@@ -7,7 +7,8 @@ driver (the kernel compiles for sm_90, the launcher records its arguments and ru
 in a subprocess where TRITON_INTERPRET is unset. For a run of steps with every dtype
 combination, request counts that Triton would specialize (1, multiples of 16) and per-step
 tensors at unaligned addresses, each step is launched both ways and the driver must receive
-the same call, from the same compiled variant.
+the same call, from the same compiled variant (the driver gives each variant its own
+function handle, which the call carries).
 """
 
 from __future__ import annotations
