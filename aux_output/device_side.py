@@ -5,7 +5,8 @@ Per step, on the thread that launches the forward (no host synchronization, no a
 1. only when something changed since the last step (the batch's requests, or a request
    entering a new hash block) the host packs the step's table rows and the changed entries of
    the slot ring into one pinned buffer (one per step in flight); one asynchronous copy moves
-   it to the device and one scatter applies the ring entries. A steady decode step of a small
+   its used part (rounded up to a power of two) to the device and one scatter applies the
+   ring entries. A steady decode step of a small
    batch usually changes nothing and skips both, and so does a step without requests;
 2. one ``gather_pack`` launch, validated once at construction (``GatherPackLaunch``), reads
    the batch's own device ``query_start_loc`` and ``positions`` and writes every accepted
@@ -114,8 +115,8 @@ class DeviceSide:
         self._max_updates = max_updates
         self._next = 0
         on_cuda = self.device.type == "cuda"
-        # int32 upload: the step's table rows [max_num_seqs], then the changed ring entries'
-        # flat indices [max_updates] and their values [max_updates].
+        # int32 upload: the step's table rows [max_num_seqs], then the n changed ring
+        # entries' flat indices [n] and their values [n], packed (n <= max_updates).
         size = max_num_seqs + 2 * max_updates
         self._upload_host = [
             torch.zeros(size, dtype=torch.int32, pin_memory=on_cuda) for _ in range(depth)
@@ -123,6 +124,20 @@ class DeviceSide:
         self._upload_np = [t.numpy() for t in self._upload_host]
         self._upload_dev = torch.zeros(size, dtype=torch.int32, device=self.device)
         self._table_row_dev = self._upload_dev[:max_num_seqs]
+        # An upload copies the shortest of these prefixes that holds its entries: powers of
+        # two from the table rows' size up, then the whole buffer (sized for every request
+        # taking slots at once: 160 KiB at 1,024 sequences, where a step uses a few KiB).
+        # Entry i is the prefix of min(2 ** (first + i), size) entries, for uploads of n
+        # entries with (n - 1).bit_length() == first + i, where first is that of
+        # max_num_seqs (n is at least the table rows' max_num_seqs, so i >= 0).
+        self._prefix_bits = (max_num_seqs - 1).bit_length()
+        self._upload_prefixes = [
+            (self._upload_dev[:length], [t[:length] for t in self._upload_host])
+            for length in (
+                min(1 << bits, size)
+                for bits in range(self._prefix_bits, (size - 1).bit_length() + 1)
+            )
+        ]
         self._uploaded_rows: np.ndarray | None = None
         self._info_dev = [
             torch.zeros((max_num_seqs, 3), dtype=torch.int32, device=self.device)
@@ -237,19 +252,20 @@ class DeviceSide:
         if num_updates > self._max_updates:
             raise OverflowError(f"{num_updates} slot-ring updates exceed {self._max_updates}")
         host = self._upload_np[index]
-        at, values_at = self._max_seqs, self._max_seqs + self._max_updates
+        at, values_at = self._max_seqs, self._max_seqs + num_updates
+        end = values_at + num_updates
         host[: len(table_row)] = table_row
-        host[at : at + num_updates] = flat
-        host[values_at : values_at + num_updates] = values
+        host[at:values_at] = flat
+        host[values_at:end] = values
         self._uploaded_rows = table_row
+        dst, sources = self._upload_prefixes[(end - 1).bit_length() - self._prefix_bits]
         dev = self._upload_dev
-        # The whole buffer: its table rows hold this step's, whatever the other buffer held.
         device_upload(
-            dev,
-            self._upload_host[index],
+            dst,
+            sources[index],
             self._ring_flat,
-            dev[at : at + num_updates] if num_updates else None,
-            dev[values_at : values_at + num_updates] if num_updates else None,
+            dev[at:values_at] if num_updates else None,
+            dev[values_at:end] if num_updates else None,
         )
 
     def copy_back(self, step: LaunchedStep) -> None:

@@ -11,4 +11,5 @@ BENCHMARKS: dict[str, str] = {
     "nvml": "bench.nvml_profile",
     "device_memory": "bench.device_memory",
     "triton_launch": "bench.triton_launch",
+    "upload_bytes": "bench.upload_bytes",
 }

@@ -117,6 +117,37 @@ def test_prefill_then_speculative_decode(destination):
     worker.close()
 
 
+def test_an_upload_copies_the_shortest_power_of_two_prefix_holding_its_entries(monkeypatch):
+    """The upload buffer is sized for every request taking slots at once; a step moves the
+    table rows and its own entries, rounded up to a power of two (or the whole buffer)."""
+    from r3capture.aux_output import device_side
+
+    copies = []
+    upload = device_side.device_upload
+
+    def recording(dst, src, ring_flat, index, values):
+        copies.append((len(dst), len(src), 0 if index is None else len(index)))
+        upload(dst, src, ring_flat, index, values)
+
+    monkeypatch.setattr(device_side, "device_upload", recording)
+    worker = make_worker(max_num_seqs=4, max_num_batched_tokens=64)
+    size = len(worker.device_side._upload_host[0])
+    assert size == 4 + 2 * (64 // B + 4 + 4 * (2 + 256 // B))
+    out = run_step(worker, meta({"a": 0}), [("a", 1, 0, 60)])  # one request, many blocks
+    assert np.array_equal(out["a"].rows, routes(1, 0, 60).astype(np.uint8))
+    out = run_step(worker, meta({"a": 60, "b": 0}), [("a", 1, 60, 1), ("b", 2, 0, 1)])
+    assert np.array_equal(out["b"].rows, routes(2, 0, 1).astype(np.uint8))
+    assert len(copies) == 2
+    for length, source_length, updates in copies:
+        used = 4 + 2 * updates
+        assert updates and source_length == length
+        assert used <= length and (length < 2 * used or length == size), (length, used)
+    # "a" takes blocks 0..14 and the 64-block lookahead (79 slots, its 2 window entries),
+    # "b" blocks 0..64 (65 + 2): with the 4 table rows 166 and 138 entries, so 256 of 572.
+    assert copies == [(256, 256, 81), (256, 256, 67)] and size == 572
+    worker.close()
+
+
 def test_a_step_without_requests_uploads_nothing(monkeypatch):
     """An empty step launches no kernel, so it moves nothing to the device; the steps around
     it still write their rows."""
