@@ -6,8 +6,8 @@ Per step, on the thread that launches the forward (no host synchronization, no a
    entering a new hash block) the host packs the step's table rows and the changed entries of
    the slot ring into one pinned buffer (one per step in flight); one asynchronous copy moves
    its used part (rounded up to a power of two) to the device and one scatter applies the
-   ring entries. A steady decode step of a small
-   batch usually changes nothing and skips both, and so does a step without requests;
+   ring entries. A steady decode step of a small batch usually changes nothing and skips
+   both, and so does a step without requests;
 2. one ``gather_pack`` launch, validated once at construction (``GatherPackLaunch``), reads
    the batch's own device ``query_start_loc`` and ``positions`` and writes every accepted
    row: straight into the pinned store arena (``direct``), or into device staging in
