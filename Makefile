@@ -24,8 +24,19 @@ VLLM_LIGHT_DEPS := psutil pydantic cachetools regex msgspec cloudpickle pyzmq py
 # rides out slow mirrors.
 export PIP_DEFAULT_TIMEOUT := 120
 export PIP_RETRIES := 10
+# No wheel cache: each venv is built once, and a CI machine's disk may be small (CI ran out of
+# space once while building the third venv).
+export PIP_NO_CACHE_DIR := 1
 pip_retry = for try in 1 2 3; do $(1) && exit 0; echo "pip install failed (try $$try of 3)" >&2; \
 	sleep 20; done; exit 1
+
+# On CI (CI=true: a fresh machine, disk of unknown size) each stage removes its venv once its
+# tests pass, so the three (3.0, 1.7 and 3.1 GB here) never sit on the disk together.
+ifeq ($(CI),true)
+done_with = rm -rf $(1)
+else
+done_with = :
+endif
 
 .PHONY: demo test test-unit test-triton36 test-e2e bench lint setup setup-e2e clean
 
@@ -36,6 +47,7 @@ test: lint test-unit test-triton36 test-e2e
 
 test-unit: $(VENV)/.stamp
 	$(VENV)/bin/python -m pytest -q -m "not e2e" -p no:cacheprovider
+	$(call done_with,$(VENV))
 
 # The kernel suite (interpreter + AOT) on the GPU image's Triton, then the collection of the
 # suites gpu_check.sh runs there (-m gpu: on a CPU each test skips with its reason).
@@ -43,9 +55,11 @@ test-triton36: $(VENV_T36)/.stamp
 	$(VENV_T36)/bin/python -m pytest -q -p no:cacheprovider tests/kernels
 	$(VENV_T36)/bin/python -m pytest -q -m gpu -p no:cacheprovider tests/kernels tests/bench \
 		tests/aux_output/test_worker_gpu.py
+	$(call done_with,$(VENV_T36))
 
 test-e2e: $(VENV_E2E)/.stamp
 	$(VENV_E2E)/bin/python -m pytest -q -m e2e -p no:cacheprovider tests/e2e
+	$(call done_with,$(VENV_E2E))
 
 bench: $(VENV)/.stamp
 	$(VENV)/bin/python -m bench.run all
