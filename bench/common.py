@@ -27,6 +27,7 @@ from typing import Any
 import numpy as np
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
+_CPU_CACHE_DIR = Path("/sys/devices/system/cpu/cpu0/cache")
 QUANTILES = (0.5, 0.2, 0.8)
 
 
@@ -72,6 +73,21 @@ def _cpu_model() -> str:
     return platform.processor() or platform.machine()
 
 
+def _cpu_caches() -> str:
+    """The first CPU's L2 and L3 sizes as Linux reports them (``"L2 512K, L3 8192K"``); the
+    host-step ratios move with them (``bench/RESULTS.md``, "A VM with smaller caches")."""
+    sizes = []
+    for index in sorted(_CPU_CACHE_DIR.glob("index*")):
+        try:
+            level = (index / "level").read_text().strip()
+            size = (index / "size").read_text().strip()
+        except OSError:
+            continue
+        if level in ("2", "3"):
+            sizes.append(f"L{level} {size}")
+    return ", ".join(sizes) or "caches unknown"
+
+
 def _git_sha() -> str | None:
     root = Path(__file__).resolve().parent.parent
     try:
@@ -96,7 +112,7 @@ def machine_info() -> dict[str, str | None]:
     if torch.cuda.is_available():
         machine = torch.cuda.get_device_name()
     else:
-        machine = f"CPU: {_cpu_model()} ({torch.get_num_threads()} torch threads)"
+        machine = f"CPU: {_cpu_model()}, {_cpu_caches()} ({torch.get_num_threads()} torch threads)"
     return {
         "machine": machine,
         "torch": _version("torch"),
