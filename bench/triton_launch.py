@@ -38,11 +38,14 @@ from bench.common import RESULTS_DIR, make_result, run_interleaved, write_result
 from bench.models import MODELS
 from bench.no_gpu_driver import no_gpu_driver
 from bench.stand_ins import launch_stand_in
+from r3capture.aux_output.slot_planner import ring_widths
 
 MAX_NUM_BATCHED_TOKENS = 8192
 MAX_NUM_SEQS = 1024
 HASH_BLOCK = 16
-RING_WIDTH = 546  # the worker's device ring at this budget (slot_planner.ring_widths)
+DEPTH = 2
+# The worker's device ring at this budget and depth (546 columns).
+RING_WIDTH = ring_widths(MAX_NUM_BATCHED_TOKENS, HASH_BLOCK, DEPTH)[1]
 NUM_SLOTS = 64
 BATCH_SIZES = (1, 8, 256)
 CALLS_PER_SAMPLE = 20
