@@ -7,6 +7,7 @@ A benchmark is a module with ``main(argv: list[str]) -> int`` that writes its ro
 BENCHMARKS: dict[str, str] = {
     "store": "bench.store_bench",
     "host_step": "bench.host_step_bench",
+    "host_ab": "bench.host_ab",
     "kernel": "bench.kernel_bench",
     "nvml": "bench.nvml_profile",
     "device_memory": "bench.device_memory",
