@@ -43,8 +43,8 @@ class StepKeyWork:
     )
 
     def __init__(self, pins_retained: Any, pins_released: Any, pin_generation: int) -> None:
-        self.pins_retained = pins_retained if _has_hashes(pins_retained) else None
-        self.pins_released = pins_released if _has_hashes(pins_released) else None
+        self.pins_retained = pins_retained if has_hashes(pins_retained) else None
+        self.pins_released = pins_released if has_hashes(pins_released) else None
         self.pin_generation = pin_generation
         self.rows: list[int] = []
         self.hashes: list[Any] = []
@@ -111,7 +111,7 @@ class KeyWorkQueue:
             self._publisher.free(table.remove(work.finishing))
 
 
-def _has_hashes(packed: Any) -> bool:
+def has_hashes(packed: Any) -> bool:
     """Whether packed block hashes (or None) hold any hash."""
     return packed is not None and len(packed.data) > 0
 

@@ -22,7 +22,7 @@ from r3capture.aux_output import envs
 from r3capture.aux_output.call_checks import checked_batch_arrays, input_batch_error
 from r3capture.aux_output.device_side import DeviceSide, LaunchedStep
 from r3capture.aux_output.errors import require
-from r3capture.aux_output.key_work import KeyWorkQueue, StepKeyWork
+from r3capture.aux_output.key_work import KeyWorkQueue, StepKeyWork, has_hashes
 from r3capture.aux_output.output_pool import OutputPool
 from r3capture.aux_output.publisher import Publisher
 from r3capture.aux_output.request_table import RequestTable
@@ -128,16 +128,16 @@ class RequestBook:
         thread, or first thing when a later reset needs every key.
         """
         table = self.table
-        tearing_down = self._key_work.tearing_down
+        key_work = self._key_work
+        tearing_down = key_work.tearing_down
         if tearing_down and not tearing_down.isdisjoint(metadata.requests):
-            self._key_work.apply_all()  # a finished request's id returns as a new request
+            key_work.apply_all()  # a finished request's id returns as a new request
         # Pins named by the scheduler belong to the namespace it had before any bump.
-        work = StepKeyWork(
-            metadata.retained_block_hashes, metadata.released_block_hashes, self.generation
-        )
+        pin_generation = self.generation
+        reset_releases = None
         if metadata.generation > self.generation:
-            self._key_work.apply_all()
-            work.releases.append(table.release_order(table.live_rows().tolist()))
+            key_work.apply_all()
+            reset_releases = table.release_order(table.live_rows().tolist())
             self._publisher.free(table.clear())
             self.generation = metadata.generation
         if metadata.requests:
@@ -147,10 +147,10 @@ class RequestBook:
                 # Only settled requests count: in-flight steps lag the scheduler's view.
                 ahead &= ~np.isin(rows, self._rows_in_flight())
                 require(not ahead.any(), "auxiliary output Scheduler emit cursor moved ahead")
+        hash_rows = None
         if metadata.block_hashes:
-            work.rows = [table.index[request_id] for request_id in metadata.block_hashes]
-            work.hashes = list(metadata.block_hashes.values())
-            work.generation = self.generation
+            hash_rows = [table.index[request_id] for request_id in metadata.block_hashes]
+        finishing = []
         if metadata.finished_requests:
             in_flight = set(self._rows_in_flight().tolist())
             for request_id in metadata.finished_requests:
@@ -159,13 +159,29 @@ class RequestBook:
                 if row in in_flight:
                     self._deferred += 1  # torn down by the last of its steps in flight
                 else:
-                    work.finishing.append(request_id)
-        if work.releases:
+                    finishing.append(request_id)
+        retained, released = metadata.retained_block_hashes, metadata.released_block_hashes
+        if not (
+            reset_releases is not None
+            or hash_rows
+            or finishing
+            or has_hashes(retained)
+            or has_hashes(released)
+        ):
+            return  # no key work (a decode step where no request completes a block)
+        work = StepKeyWork(retained, released, pin_generation)
+        if hash_rows:
+            work.rows = hash_rows
+            work.hashes = list(metadata.block_hashes.values())
+            work.generation = self.generation
+        work.finishing = finishing
+        if reset_releases is not None:
             # A reset releases every key now; the work recorded before it goes first.
-            self._key_work.apply_all()
-            self._key_work.apply(work)
-        elif work.rows or work.pins_retained or work.pins_released or work.finishing:
-            self._key_work.record(work)
+            work.releases.append(reset_releases)
+            key_work.apply_all()
+            key_work.apply(work)
+        else:
+            key_work.record(work)
 
     def is_tracked(self, request_id: str) -> bool:
         """Whether ``request_id`` has state here (as in vLLM: a finished request whose
