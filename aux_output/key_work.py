@@ -43,8 +43,8 @@ class StepKeyWork:
     )
 
     def __init__(self, pins_retained: Any, pins_released: Any, pin_generation: int) -> None:
-        self.pins_retained = pins_retained if has_hashes(pins_retained) else None
-        self.pins_released = pins_released if has_hashes(pins_released) else None
+        self.pins_retained = pins_retained if _has_hashes(pins_retained) else None
+        self.pins_released = pins_released if _has_hashes(pins_released) else None
         self.pin_generation = pin_generation
         self.rows: list[int] = []
         self.hashes: list[Any] = []
@@ -67,6 +67,40 @@ class KeyWorkQueue:
         self._queued.append(work)
         if work.finishing:
             self.tearing_down.update(work.finishing)
+
+    def add_step(
+        self,
+        metadata: Any,
+        *,
+        pin_generation: int,
+        hash_rows: list[int] | None,
+        generation: int,
+        finishing: list[str],
+        reset_releases: KeyObjects | None,
+    ) -> None:
+        """Record ``begin_step``'s key work: the packed hashes of ``metadata.block_hashes``
+        for table rows ``hash_rows`` in ``generation``, its pins in ``pin_generation``, the
+        requests ``finishing``. With a reset's ``reset_releases`` the work is applied now,
+        after all recorded before it. A step without key work (a decode step where no
+        request completes a block) records nothing: building its ``StepKeyWork`` costs
+        ~3 us on the main thread (``bench/RESULTS.md``, ``host_ab/begin_step``)."""
+        retained, released = metadata.retained_block_hashes, metadata.released_block_hashes
+        if reset_releases is None and not (
+            hash_rows or finishing or _has_hashes(retained) or _has_hashes(released)
+        ):
+            return
+        work = StepKeyWork(retained, released, pin_generation)
+        if hash_rows:
+            work.rows = hash_rows
+            work.hashes = list(metadata.block_hashes.values())
+            work.generation = generation
+        work.finishing = finishing
+        if reset_releases is None:
+            self.record(work)
+            return
+        work.releases.append(reset_releases)
+        self.apply_all()
+        self.apply(work)
 
     def apply_all(self) -> None:
         """Apply the work of every step recorded since the last call, oldest first."""
@@ -111,7 +145,7 @@ class KeyWorkQueue:
             self._publisher.free(table.remove(work.finishing))
 
 
-def has_hashes(packed: Any) -> bool:
+def _has_hashes(packed: Any) -> bool:
     """Whether packed block hashes (or None) hold any hash."""
     return packed is not None and len(packed.data) > 0
 

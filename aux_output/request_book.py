@@ -22,7 +22,7 @@ from r3capture.aux_output import envs
 from r3capture.aux_output.call_checks import checked_batch_arrays, input_batch_error
 from r3capture.aux_output.device_side import DeviceSide, LaunchedStep
 from r3capture.aux_output.errors import require
-from r3capture.aux_output.key_work import KeyWorkQueue, StepKeyWork, has_hashes
+from r3capture.aux_output.key_work import KeyWorkQueue
 from r3capture.aux_output.output_pool import OutputPool
 from r3capture.aux_output.publisher import Publisher
 from r3capture.aux_output.request_table import RequestTable
@@ -160,28 +160,14 @@ class RequestBook:
                     self._deferred += 1  # torn down by the last of its steps in flight
                 else:
                     finishing.append(request_id)
-        retained, released = metadata.retained_block_hashes, metadata.released_block_hashes
-        if not (
-            reset_releases is not None
-            or hash_rows
-            or finishing
-            or has_hashes(retained)
-            or has_hashes(released)
-        ):
-            return  # no key work (a decode step where no request completes a block)
-        work = StepKeyWork(retained, released, pin_generation)
-        if hash_rows:
-            work.rows = hash_rows
-            work.hashes = list(metadata.block_hashes.values())
-            work.generation = self.generation
-        work.finishing = finishing
-        if reset_releases is not None:
-            # A reset releases every key now; the work recorded before it goes first.
-            work.releases.append(reset_releases)
-            key_work.apply_all()
-            key_work.apply(work)
-        else:
-            key_work.record(work)
+        key_work.add_step(
+            metadata,
+            pin_generation=pin_generation,
+            hash_rows=hash_rows,
+            generation=self.generation,
+            finishing=finishing,
+            reset_releases=reset_releases,
+        )
 
     def is_tracked(self, request_id: str) -> bool:
         """Whether ``request_id`` has state here (as in vLLM: a finished request whose

@@ -50,3 +50,37 @@ def test_the_store_keeps_the_request_objects_even_when_pinned_in_the_same_step()
     queue.apply_all()
     publisher.flush()
     assert len(table) == 0 and store._ledger._refs == {}
+
+
+def test_add_step_records_only_steps_with_key_work():
+    """A step without new hashes, pins, finishes or a reset queues nothing; each of those
+    alone queues its work, and a reset's releases are applied at once."""
+    from types import SimpleNamespace
+
+    store = BlockStore(max_bytes=64 * 8, object_nbytes=8, reserve_slots=16)
+    table = RequestTable(ring_width=4)
+    queue = KeyWorkQueue(table, Publisher(store, table, BLOCK_SIZE))
+    row = table.add("a", 0)
+
+    def step(**fields):
+        meta = SimpleNamespace(block_hashes={}, retained_block_hashes=None)
+        meta.released_block_hashes = PackedBlockHashes(b"", 32)  # present but empty
+        meta.__dict__.update(fields)
+        return meta
+
+    def add(meta, **kwargs):
+        options = dict(pin_generation=0, hash_rows=None, generation=0, finishing=[])
+        queue.add_step(meta, **{**options, "reset_releases": None, **kwargs})
+
+    add(step())
+    assert queue._queued == []
+    add(step(block_hashes={"a": packed(1)}), hash_rows=[row])
+    assert [w.rows for w in queue._queued] == [[row]]
+    add(step(retained_block_hashes=packed(2)))
+    assert queue._queued[-1].pins_retained is not None and len(queue._queued) == 2
+    add(step(), finishing=["a"])
+    assert queue._queued[-1].finishing == ["a"] and queue.tearing_down == {"a"}
+    queue.apply_all()
+    assert queue._queued == [] and len(table) == 0
+    add(step(), reset_releases=table.release_order([]))
+    assert queue._queued == []  # applied, not queued
