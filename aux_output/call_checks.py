@@ -58,7 +58,7 @@ def checked_emit_starts(
     emit_starts = np.array(list(requests.values()))
     if emit_starts.dtype is not _INT64:
         emit_starts = _diagnosed_emit_starts(requests, emit_starts)
-    elif min(requests.values()) < 0:  # int64 only from at least one int
+    elif min(requests.values()) < 0:  # never empty: np.array([]) is float64
         _refuse_negative(requests)
     if type(block_hashes) is not dict and not isinstance(block_hashes, Mapping):
         raise TypeError(f"metadata.block_hashes must be a dict, got {type(block_hashes).__name__}")
