@@ -41,11 +41,10 @@ from typing import Any
 
 import numpy as np
 
-from bench.common import RESULTS_DIR, Result, make_result, write_results
+from bench.common import QUANTILES, RESULTS_DIR, Result, make_result, write_results
+from bench.host_step_bench import CACHE, ROOT
 from bench.host_step_replay import CALLS, WARMUP_EVENTS, ensure_recording, replay
 
-ROOT = Path(__file__).resolve().parent.parent
-CACHE = Path(__file__).resolve().parent / ".cache" / "host_step"
 PACKAGE = "r3capture"
 SUBPACKAGES = ("kernels", "store", "aux_output")  # pyproject.toml's package-dir
 # Per replay: each call's p50 over the steps, the main thread's p50 (the three main-thread
@@ -54,10 +53,14 @@ METRICS = (*CALLS, "main", "main_total", "output_total")
 DEFAULT_FAMILIES = ("decode-1", "decode-8", "decode-256", "multi-turn-short", "mixed", "prefill")
 
 
+def _package_names() -> list[str]:
+    """The ``sys.modules`` names of the ``r3capture`` package imported now."""
+    return [n for n in sys.modules if n == PACKAGE or n.startswith(PACKAGE + ".")]
+
+
 def _take_package_modules() -> dict[str, ModuleType]:
     """Remove and return every ``sys.modules`` entry of the ``r3capture`` package."""
-    names = [n for n in sys.modules if n == PACKAGE or n.startswith(PACKAGE + ".")]
-    return {name: sys.modules.pop(name) for name in names}
+    return {name: sys.modules.pop(name) for name in _package_names()}
 
 
 def load_package(root: Path) -> dict[str, ModuleType]:
@@ -89,7 +92,7 @@ def installed_package() -> dict[str, ModuleType]:
     imports lazily (the worker, and the kernel's CPU emulation) imported first."""
     importlib.import_module(f"{PACKAGE}.aux_output.worker")
     importlib.import_module(f"{PACKAGE}.kernels.reference")
-    return {n: m for n, m in sys.modules.items() if n == PACKAGE or n.startswith(PACKAGE + ".")}
+    return {name: sys.modules[name] for name in _package_names()}
 
 
 def export_revision(revision: str, dest: Path) -> Path:
@@ -200,7 +203,7 @@ def result_rows(
             for v, label in enumerate(labels):
                 params: dict[str, Any] = {"family": family, "model": model, "depth": depth}
                 if v == 1:
-                    r50, r20, r80 = np.quantile(ratios[:, m], (0.5, 0.2, 0.8))
+                    r50, r20, r80 = np.quantile(ratios[:, m], QUANTILES)
                     params.update(ratio_p50=float(r50), ratio_p20=float(r20), ratio_p80=float(r80))
                 # make_result takes ns samples: one per round.
                 rows.append(
