@@ -66,13 +66,13 @@ def device_upload(
 
 @dataclass
 class LaunchedStep:
-    """What one launch left in flight: its buffer index and, once copied, its host results."""
+    """What one launch left in flight: its buffer index and whether its results are being
+    copied back (``DeviceSide.copy_back``; ``DeviceSide.host_results`` reads them)."""
 
     ring_index: int
     num_reqs: int
     num_rows: int
-    step_info: np.ndarray | None = None  # int32 [R, 3] host copy (valid after the copy event)
-    staged_rows: np.ndarray | None = None  # [num_rows, L, K] host copy, staging only
+    copied: bool = False
 
 
 class DeviceSide:
@@ -269,16 +269,30 @@ class DeviceSide:
         )
 
     def copy_back(self, step: LaunchedStep) -> None:
-        """Start the copies of ``step``'s results into pinned host memory (copy stream)."""
+        """Start the copies of ``step``'s results into pinned host memory (copy stream, on
+        the main thread in Model Runner V2: only the copies happen here)."""
         if step.num_reqs == 0:
             return
         index = step.ring_index
         self._info_host[index].copy_(self._info_dev[index], non_blocking=True)
-        step.step_info = self._info_np[index][: step.num_reqs]
         if self.destination == "staging" and step.num_rows:
-            staged = self._staging_host[index][: step.num_rows]
-            staged.copy_(self._staging_dev[index][: step.num_rows], non_blocking=True)
-            step.staged_rows = staged.numpy()
+            rows = step.num_rows
+            self._staging_host[index][:rows].copy_(
+                self._staging_dev[index][:rows], non_blocking=True
+            )
+        step.copied = True
+
+    def host_results(self, step: LaunchedStep) -> tuple[np.ndarray | None, np.ndarray | None]:
+        """Host views of what ``copy_back`` copied, valid once its event completes (output
+        thread): ``step_info`` int32 ``[R, 3]`` and, for ``staging``, the step's rows
+        ``[num_rows, L, K]``; None for what was not copied."""
+        if not step.copied:
+            return None, None
+        index = step.ring_index
+        staged = None
+        if self.destination == "staging" and step.num_rows:
+            staged = self._staging_host[index][: step.num_rows].numpy()
+        return self._info_np[index][: step.num_reqs], staged
 
     def wait_idle(self) -> None:
         """Wait for device work that may still write the arena (before it is replaced)."""
@@ -292,6 +306,7 @@ class DeviceSide:
         stats["steps"] += 1
         # The staging copy moves every scheduled row; direct writes move exactly the rows
         # the kernel wrote.
-        rows = step.num_rows if step.staged_rows is not None else rows_written
+        staged = step.copied and self.destination == "staging"
+        rows = step.num_rows if staged else rows_written
         stats["rows"] += rows
         stats["bytes"] += rows * self._row_nbytes

@@ -291,11 +291,12 @@ class RequestBook:
             self._publisher.flush()
             self.device_side.count_transfer(launched, 0)
             return {}
+        step_info, staged_rows = self.device_side.host_results(launched)
         plan = commit_step(
-            layout, self.table, num_sampled, num_rejected, launched.step_info, self._block_size
+            layout, self.table, num_sampled, num_rejected, step_info, self._block_size
         )
-        if launched.staged_rows is not None:
-            self._reader.place_staged(layout, launched.step_info, launched.staged_rows)
+        if staged_rows is not None:
+            self._reader.place_staged(layout, step_info, staged_rows)
         # Copy emitted rows out before any slot can be bound (and later reused).
         outputs = self._reader.emit(layout, plan)
         # Publish the whole step before materializing: a hit may need a block from it.

@@ -102,7 +102,7 @@ def commit_step(
     """Check one step and move the cursors of its requests in ``table``.
 
     ``num_sampled``/``num_rejected``: the host counts, 1-D integer arrays of ``>= R``
-    entries (``check_host_counts`` checked them when the copy was enqueued); ``step_info``:
+    entries (``process_output`` checked them with ``check_host_counts``); ``step_info``:
     the kernel's ``int32 [R, 3]`` (start, rows written or -1, status) or None for an empty
     step. Raises ``AuxOutputProtocolError`` without changing ``table``.
     """

@@ -10,13 +10,14 @@ Per step (same call order and threads as vLLM's ``AuxOutputWorkerConnector``):
    requests that enter a new hash block get slots (``LOOKAHEAD_TOKENS`` ahead,
    ``slot_planner.py``), and only those ring entries change; one kernel launch writes every
    accepted row into its slot (``RequestBook.launch`` + ``DeviceSide.launch``).
-3. ``PendingStep.enqueue_cpu_copy`` (copy stream): the kernel's per-request results (and, in
-   the staging destination, the step's rows) are copied back.
-4. ``PendingStep.process_output()`` (output thread, after the step's event): the recorded key
-   work is applied, the commit checks the step as vLLM does and moves the cursors, emitted
-   rows are copied out with one gather,
-   complete keyed blocks are bound (no payload copy), prefix-cache hits are read back from
-   the store, the transfer is counted, and deferred teardown happens (``RequestBook.commit``).
+3. ``PendingStep.enqueue_cpu_copy`` (copy stream): the host counts are recorded and the
+   kernel's per-request results (and, in the staging destination, the step's rows) are
+   copied back; nothing else, as it runs on the main thread too.
+4. ``PendingStep.process_output()`` (output thread, after the step's event): the host counts
+   are checked, the recorded key work is applied, the commit checks the step as vLLM does
+   and moves the cursors, emitted rows are copied out with one gather, complete keyed
+   blocks are bound (no payload copy), prefix-cache hits are read back from the store, the
+   transfer is counted, and deferred teardown happens (``RequestBook.commit``).
 
 Outputs (``AuxRequestOutput`` per request per step) and protocol errors are those of vLLM
 0.33.0's connector; ``tests/aux_output/test_differential.py`` checks this on generated traces.
@@ -55,20 +56,20 @@ class PendingStep:
     ) -> None:
         self.layout = layout
         self.launched = launched
-        self.num_sampled: np.ndarray | None = None
-        self.num_rejected: np.ndarray | None = None
+        self.num_sampled: Any = None
+        self.num_rejected: Any = None
+        self.enqueued = False
         self._worker = worker
 
     def enqueue_cpu_copy(self, num_sampled: np.ndarray, num_rejected: np.ndarray) -> None:
         """Record the host counts and start this step's device-to-host copies.
 
-        Call on the output copy stream; the arrays become valid once its event completes.
+        Call on the output copy stream; the arrays become valid once its event completes,
+        and ``process_output``, the first to read them, checks them (on the output thread).
         """
-        num_reqs = len(self.layout.rows)
-        check_host_counts("num_sampled", num_sampled, num_reqs)
-        check_host_counts("num_rejected", num_rejected, num_reqs)
         self.num_sampled = num_sampled
         self.num_rejected = num_rejected
+        self.enqueued = True
         self._worker.device_side.copy_back(self.launched)
 
     def process_output(self) -> dict[str, AuxRequestOutput]:
@@ -213,10 +214,10 @@ class TritonAuxOutputWorker:
         with self._lock:
             committed = False
             try:
-                require(
-                    pending.num_sampled is not None and pending.num_rejected is not None,
-                    "auxiliary output CPU copy was not enqueued",
-                )
+                require(pending.enqueued, "auxiliary output CPU copy was not enqueued")
+                num_reqs = len(pending.layout.rows)
+                check_host_counts("num_sampled", pending.num_sampled, num_reqs)
+                check_host_counts("num_rejected", pending.num_rejected, num_reqs)
                 outputs = self._book.commit(
                     pending.layout, pending.launched, pending.num_sampled, pending.num_rejected
                 )

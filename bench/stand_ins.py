@@ -157,7 +157,6 @@ ABLATIONS = {
         ("r3capture.aux_output.worker", "checked_emit_starts"),
         ("r3capture.aux_output.request_book", "checked_batch_arrays"),
         ("r3capture.aux_output.request_book", "RequestBook._checked_shape"),
-        ("r3capture.aux_output.worker", "check_host_counts"),
     ),
 }
 

@@ -303,22 +303,27 @@ COUNT_CORRUPTIONS = [
     which=st.sampled_from(["num_sampled", "num_rejected"]),
     value=st.sampled_from(COUNT_CORRUPTIONS),
 )
-def test_malformed_host_counts_are_named_and_the_step_stays_usable(which, value):
+def test_malformed_host_counts_fail_the_step_like_any_failed_commit(which, value):
+    """The counts are read (and so checked) by ``process_output`` on the output thread, not
+    by ``enqueue_cpu_copy`` on the main thread: a malformed array fails its step there, named,
+    and the worker goes on exactly like a twin whose step failed vLLM's own count check."""
     worker, twin = make_worker(), make_worker()
     _first_step(worker), _first_step(twin)
-    outputs = []
     for w in (worker, twin):
         w.begin_step(meta({"b": 3}))
         w.capture_buffer[:1] = torch.from_numpy(routes(2, 3, 1))
         pending = w.prepare_output(SimpleNamespace(**_batch_fields()))
+        counts = dict(num_sampled=np.ones(1, np.int32), num_rejected=np.full(1, 5, np.int32))
         if w is worker:
             counts = dict(num_sampled=np.ones(1, np.int32), num_rejected=np.zeros(1, np.int32))
             counts[which] = value
+        pending.enqueue_cpu_copy(**counts)
+        if w is worker:
             with pytest.raises(ValueError, match=f"^{which} must be a 1-D integer numpy array"):
-                pending.enqueue_cpu_copy(**counts)
-        pending.enqueue_cpu_copy(np.ones(1, np.int32), np.zeros(1, np.int32))
-        outputs.append(pending.process_output())
-    assert _same_outputs(*outputs)
+                pending.process_output()
+        else:
+            with pytest.raises(AssertionError, match="rejected-token count is invalid"):
+                pending.process_output()
     assert _same_outputs(_second_step(worker), _second_step(twin))
 
 

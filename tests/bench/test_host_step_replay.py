@@ -113,8 +113,10 @@ def test_kernel_stand_in_excludes_the_device_work(monkeypatch):
 
 def test_free_parts_take_their_whole_time_out_of_the_calls(monkeypatch):
     """A what-if run: slot planning and the input checks made slow (5 ms of CPU per call)
-    show in every main-thread call without ``FreeParts`` and in none with it; the outputs
-    stay the simulator's and every wrapped name is restored afterwards."""
+    show in every main-thread call that runs them without ``FreeParts`` and in none with it;
+    the outputs stay the simulator's and every wrapped name is restored afterwards. The host
+    counts' check runs in ``process_output`` (the output thread), not in the main thread's
+    ``enqueue_cpu_copy``, and is not one of the main thread's input checks."""
     recording = record_trace(make_trace("spec_decode", seed=0))
     slow_ns = 5_000_000
     slowed = [
@@ -127,7 +129,7 @@ def test_free_parts_take_their_whole_time_out_of_the_calls(monkeypatch):
         monkeypatch.setattr(owner, attr, _slow(getattr(owner, attr), slow_ns))
     slow_functions = [getattr(owner, attr) for owner, attr in slowed]
     forward = [e[1] for e in recording.events if e[0] == PREPARE]
-    begin, prepare, enqueue = (CALLS.index(c) for c in CALLS[:3])
+    begin, prepare, enqueue, process = (CALLS.index(c) for c in CALLS[:4])
 
     with KernelStandIn() as exclusion:
         plain = replay(recording, "r3capture", exclusion=exclusion)
@@ -135,11 +137,14 @@ def test_free_parts_take_their_whole_time_out_of_the_calls(monkeypatch):
             free = replay(recording, "r3capture", exclusion=exclusion)
     assert [getattr(owner, attr) for owner, attr in slowed] == slow_functions
     assert plain.digests == free.digests == recording.digests
-    for call in (begin, prepare, enqueue):
+    for call in (begin, prepare):
         assert (plain.calls[call, forward, 1] >= slow_ns).all(), CALLS[call]
+    assert (plain.calls[enqueue, forward, 1] < slow_ns // 5).all()
+    assert (plain.calls[process, forward, 1] >= 2 * slow_ns).all()
     main = free.calls[:3, :, 1].sum(axis=0)
     assert (main < slow_ns // 5).all(), main.max()
-    assert free.excluded_cpu_ns >= 4 * slow_ns * len(forward)
+    assert (free.calls[process, forward, 1] >= 2 * slow_ns).all()
+    assert free.excluded_cpu_ns >= 3 * slow_ns * len(forward)
 
 
 def test_free_parts_refuses_an_unknown_part(capsys):
