@@ -27,6 +27,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from r3capture.aux_output.errors import require
 from r3capture.kernels import GatherPackLaunch, GatherPackShape, can_write_host_directly
 
 TORCH_DTYPES = {np.dtype(np.uint8): torch.uint8, np.dtype(np.uint16): torch.uint16}
@@ -282,12 +283,12 @@ class DeviceSide:
             )
         step.copied = True
 
-    def host_results(self, step: LaunchedStep) -> tuple[np.ndarray | None, np.ndarray | None]:
-        """Host views of what ``copy_back`` copied, valid once its event completes (output
-        thread): ``step_info`` int32 ``[R, 3]`` and, for ``staging``, the step's rows
-        ``[num_rows, L, K]``; None for what was not copied."""
-        if not step.copied:
-            return None, None
+    def host_results(self, step: LaunchedStep) -> tuple[np.ndarray, np.ndarray | None]:
+        """Host views of what ``copy_back`` copied for a step with requests, valid once its
+        event completes (output thread): ``step_info`` int32 ``[R, 3]`` and, for
+        ``staging``, the step's rows ``[num_rows, L, K]`` (else None)."""
+        # Never stale buffers in place of a copy: the commit checks the kernel's results.
+        require(step.copied, "auxiliary output CPU copy was not enqueued")
         index = step.ring_index
         staged = None
         if self.destination == "staging" and step.num_rows:

@@ -339,3 +339,18 @@ def test_step_outputs_of_the_scenario_are_what_the_twins_compare():
     assert second["c"].token_start == 0
     assert np.array_equal(second["c"].rows, routes(1, 0, 6).astype(np.uint8))
     assert len(worker.store) == 2
+
+
+def test_results_of_a_step_whose_copy_was_not_started_are_refused():
+    """The commit never reads the host buffers in place of a copy that was not started."""
+    worker = make_worker()
+    _first_step(worker)
+    worker.begin_step(meta({"b": 3}))
+    pending = worker.prepare_output(SimpleNamespace(**_batch_fields()))
+    with pytest.raises(AssertionError, match="CPU copy was not enqueued"):
+        worker.device_side.host_results(pending.launched)
+    pending.enqueue_cpu_copy(np.ones(1, np.int32), np.zeros(1, np.int32))
+    step_info, staged = worker.device_side.host_results(pending.launched)
+    assert step_info.shape == (1, 3) and staged is None
+    assert tuple(step_info[0]) == (3, 1, 0)  # start 3, one row written, status OK
+    assert pending.process_output()["b"].token_start == 3
