@@ -153,13 +153,18 @@ class RowReader:
                 out[: stored_end - emit_start] = arena[slots[positions // B] * B + positions % B]
             read_from = stored_end
         if read_from < token_end or read_from == emit_start:
-            # Only the open (incomplete) block is readable outside the store, as in vLLM.
+            # Only the open (incomplete) block is readable outside the store, as in vLLM,
+            # whose buffer holds none for a request whose rows end on a block boundary.
             open_start = token_end // B * B
-            if token_end % B == 0 or read_from < open_start or read_from >= token_end:
+            if token_end == open_start:
+                raise AuxOutputProtocolError(
+                    f"auxiliary output buffer is missing request {request_id}"
+                )
+            if read_from < open_start or read_from >= token_end:
                 raise AuxOutputProtocolError(
                     "auxiliary output range is unavailable: "
                     f"request={request_id}, range=[{read_from}, {token_end}), "
-                    f"available=[{open_start}, {token_end if token_end % B else open_start})"
+                    f"available=[{open_start}, {token_end})"
                 )
             positions = np.arange(read_from, token_end, dtype=np.int64)
             index = table.arena_rows(np.full(len(positions), row), positions, B)

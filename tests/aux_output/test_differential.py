@@ -258,6 +258,29 @@ SCRIPTS = {
         ("begin", _meta({"b": 0})),
         ("prepare", [("b", 0, 2, 0), ("a", 3, 1, 3)], [0, 0]),
     ],
+    # A prefix hit (capture from 4, emit from 0) whose hit block has no hash: none of its
+    # rows are stored, and only the open block's are readable.
+    "prefix_hit_without_its_hashes": [
+        ("begin", _meta({"a": 0})),
+        ("prepare", [("a", 4, 2, 4)], [0]),
+        ("process",),
+    ],
+    # The same, with the step's rows ending on a block boundary: the open block is empty.
+    "prefix_hit_without_its_hashes_ending_a_block": [
+        ("begin", _meta({"a": 0})),
+        ("prepare", [("a", 4, 4, 4)], [0]),
+        ("process",),
+    ],
+    # "p" stores blocks 0 and 1; "a" hits both but names only block 0's hash: block 0 comes
+    # from the store, block 1 is neither stored for "a" nor its open block.
+    "prefix_hit_past_its_hashed_blocks": [
+        ("begin", _meta({"p": 0}, {"p": [1, 2]})),
+        ("prepare", [("p", 0, 8, 0)], [0]),
+        ("process",),
+        ("begin", _meta({"a": 0}, {"a": [1]})),
+        ("prepare", [("a", 8, 2, 8)], [0]),
+        ("process",),
+    ],
 }
 
 
@@ -272,6 +295,45 @@ def test_protocol_violation_same_error(case):
     # Raised no later than vLLM raises it (r3capture may validate in prepare_output).
     assert got_err[0] <= ref_err[0], f"{case}: {ref_err[:2]} vs {got_err[:2]}"
     assert got_out == ref_out[: len(got_out)]
+
+
+@pytest.mark.parametrize(
+    "case",
+    [
+        "prefix_hit_without_its_hashes",
+        "prefix_hit_without_its_hashes_ending_a_block",
+        "prefix_hit_past_its_hashed_blocks",
+    ],
+)
+def test_unreadable_prefix_rows_fail_with_vllms_message(case):
+    """Rows a prefix hit needs that are neither behind its keys nor in its open block:
+    vLLM's assertion, word for word ("range is unavailable" with the same ranges, or "buffer
+    is missing request" when the step's rows end on a block boundary), at the same call."""
+    (_, ref_err), (_, got_err) = _play_on_both(SCRIPTS[case])
+    assert isinstance(ref_err[2], AssertionError), ref_err
+    assert (got_err[:2], str(got_err[2])) == (ref_err[:2], str(ref_err[2]))
+
+
+def test_scripted_finish_with_two_steps_in_flight_waits_for_both():
+    """A request finished (an abort) while two of its steps are in flight is torn down by
+    the second one's process_output, not the first: both steps return its rows, as in vLLM."""
+    script = [
+        ("begin", _meta({"a": 0}, {"a": [1]})),
+        ("prepare", [("a", 0, 3, 0)], [0]),
+        ("begin", _meta({"a": 0})),
+        ("prepare", [("a", 3, 2, 3)], [0]),
+        ("begin", _meta({}, finished=("a",))),
+        ("process",),
+        ("process",),
+        # The id is free again only after both: it comes back as a new request.
+        ("begin", _meta({"a": 0}, {"a": [7]})),
+        ("prepare", [("a", 0, 2, 0)], [0]),
+        ("process",),
+    ]
+    results = _play_on_both(script)
+    assert results[0][1] is None, results[0][1]
+    assert results[1] == results[0]
+    assert [list(o) for o in results[0][0]] == [["a"], ["a"], ["a"]]
 
 
 def test_scripted_reattach_after_rejection_matches():
