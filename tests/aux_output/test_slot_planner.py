@@ -1,0 +1,64 @@
+"""SlotPlanner: which requests take slots before a launch, and when the store's reserve grows."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from r3capture.aux_output.request_table import RequestTable
+from r3capture.aux_output.slot_planner import SlotPlanner, lookahead_blocks
+from r3capture.aux_output.step_commit import StepLayout
+from r3capture.store import BlockStore
+
+# 256 tokens a block: a request's first row takes its block and one block of lookahead.
+B = 256
+
+
+def _planner(reserve_slots: int, apply_teardown=lambda: False):
+    assert lookahead_blocks(B) == 1
+    store = BlockStore(max_bytes=64 * 8, object_nbytes=8, reserve_slots=reserve_slots)
+    table = RequestTable(ring_width=8, capacity=8)
+    return SlotPlanner(table, store, B, apply_teardown), table, store
+
+
+def _first_rows(table: RequestTable, names: list[str]) -> StepLayout:
+    """One step where each new request in ``names`` schedules one row at position 0."""
+    table.add_many(names, [0] * len(names))
+    rows = table.rows(names)
+    return StepLayout(
+        names, rows, np.zeros(len(names), np.int64), np.arange(len(names) + 1, dtype=np.int64)
+    )
+
+
+def test_the_reserve_grows_only_when_a_step_asks_for_more_slots_than_it_has_left():
+    planner, table, store = _planner(reserve_slots=5)
+    planner.take_slots(_first_rows(table, ["a", "b"]))  # 2 slots each
+    assert (store.num_unbound, store.reserve_slots) == (4, 5)
+    # Two more slots against one left: one short, so the reserve grows (at least doubles)
+    # instead of the launch failing.
+    updates = planner.take_slots(_first_rows(table, ["c"]))
+    assert store.num_unbound == 6 and store.reserve_slots >= 10
+    assert len(np.unique(table.unbound_slots(table.rows(["a", "b", "c"])))) == 6
+    assert updates is not None
+
+
+def test_a_step_that_uses_the_reserve_exactly_does_not_grow_it():
+    planner, table, store = _planner(reserve_slots=4)
+    planner.take_slots(_first_rows(table, ["a", "b"]))
+    assert (store.num_unbound, store.reserve_slots) == (4, 4)
+
+
+def test_recorded_teardown_is_applied_before_the_reserve_grows():
+    calls = []
+
+    def apply_teardown():
+        # The first call frees the slots of "a" (as a finished request's teardown would).
+        calls.append(len(calls))
+        if len(calls) > 1:
+            return False
+        store.free(table.remove(["a"]))
+        return True
+
+    planner, table, store = _planner(reserve_slots=4, apply_teardown=apply_teardown)
+    planner.take_slots(_first_rows(table, ["a", "b"]))
+    planner.take_slots(_first_rows(table, ["c"]))
+    assert calls == [0] and store.reserve_slots == 4 and store.num_unbound == 4
