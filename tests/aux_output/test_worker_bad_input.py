@@ -229,6 +229,17 @@ def test_metadata_of_the_wrong_type_is_named(bad):
         worker.begin_step(bad)
 
 
+def test_block_hashes_of_a_request_a_reset_clears_are_refused_before_anything_changes():
+    """A generation bump clears every request first, as in vLLM: block hashes naming a
+    request of the old generation that is not scheduled again are a KeyError naming the
+    field, raised before the reset is applied."""
+    worker, twin = make_worker(), make_worker()
+    assert _same_outputs(_first_step(worker), _first_step(twin))
+    with pytest.raises(KeyError, match="metadata.block_hashes names unknown request 'a'"):
+        worker.begin_step(meta({"b": 3}, {"a": hashes(1, range(1, 2))}, generation=1))
+    assert _same_outputs(_second_step(worker), _second_step(twin))
+
+
 def _batch_fields():
     return dict(
         req_ids=["b"],
@@ -240,7 +251,12 @@ def _batch_fields():
 
 
 BATCH_CORRUPTIONS = {
-    "query_start_loc_np": [np.array([0]), np.array([0.0, 1.0]), np.array([], np.int32)],
+    "query_start_loc_np": [
+        np.array([0]),
+        np.array([0.0, 1.0]),
+        np.array([], np.int32),
+        np.array([0, SIZES["max_num_batched_tokens"] + 1], np.int32),  # one row too many
+    ],
     "num_computed_tokens_np": [np.array([], np.int32)],
     "positions": [
         None,
@@ -256,7 +272,8 @@ BATCH_CORRUPTIONS = {
         np.array([0, 1]),
         torch.tensor([0, 9, 1, 9], dtype=torch.int32)[::2],
     ],
-    "req_ids": [["b", "b"], ["b"] * 5],
+    # A request twice; one request more than max_num_seqs (distinct ids, and twice).
+    "req_ids": [["b", "b"], ["b"] + [f"x{i}" for i in range(SIZES["max_num_seqs"])], ["b"] * 5],
 }
 
 
