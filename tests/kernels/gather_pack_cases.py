@@ -354,6 +354,17 @@ def move_window(r: int, end: int, delta: int) -> Callable[[dict], None]:
     return mutate
 
 
+def _widen_window_to_ring(r: int) -> Callable[[dict], None]:
+    """Make request r's block window span ``ring_width + 1`` blocks (hi - lo == width)."""
+
+    def mutate(inputs: dict) -> None:
+        row = int(inputs["table_row"][r])
+        window = inputs["block_window"]
+        window[row, 1] = window[row, 0] + inputs["slot_table"].shape[1]
+
+    return mutate
+
+
 def error_cases() -> list[Case]:
     """Per-request failures: the failing request writes nothing, the others are unaffected."""
     three = [Req(20, 5), Req(4, 40, 1), Req(35, 70)]
@@ -368,6 +379,12 @@ def error_cases() -> list[Case]:
              mutate=move_window(2, 1, -1), status=[0, 0, 2]),
         Case("window-wider-than-ring", QWEN3_30B, 16, three,
              mutate=move_window(1, 1, 100), status=[0, 2, 0]),
+        # The boundaries: a window of ring_width + 1 blocks would alias a column; slot
+        # num_slots is one past the arena (``three`` maps 9 blocks).
+        Case("window-one-past-ring", QWEN3_30B, 16, three, mutate=_widen_window_to_ring(1),
+             status=[0, 2, 0]),
+        Case("slot-at-arena-end", QWEN3_30B, 16, three, arena_slots=9,
+             mutate=_set_block(0, 0, 9), status=[2, 0, 0]),
         Case("table-row-past-table", QWEN3_30B, 16, three,
              mutate=set_input("table_row", 1, 10**6), status=[0, 2, 0]),
         Case("table-row-negative", QWEN3_30B, 16, three,
@@ -395,6 +412,8 @@ def error_cases() -> list[Case]:
              mutate=set_input("query_start_loc", 2, 4), status=[3, 3]),
         Case("qsl-dip-mid", QWEN3_30B, 16, [Req(5, 0), Req(3, 20), Req(5, 40)],
              mutate=set_input("query_start_loc", 2, 3), status=[3, 3, 3]),
+        Case("qsl-dip-by-one", QWEN3_30B, 16, [Req(5, 0), Req(3, 20), Req(5, 40)],
+             mutate=set_input("query_start_loc", 2, 4), status=[3, 3, 3]),
         Case("qsl-negative-start", QWEN3_30B, 16, [Req(3, 0), Req(3, 20)],
              mutate=set_input("query_start_loc", 0, -2), status=[3, 3]),
         Case("qsl-decreasing-rows-layout", QWEN3_30B, 16, [Req(8, 0), Req(4, 20)],
