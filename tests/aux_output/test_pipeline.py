@@ -96,9 +96,18 @@ def test_relayed_rows_do_not_alias_the_capture_buffer():
         ({RELAY_KEY: torch.zeros(6, 4, 2, dtype=torch.uint16)}, "torch.uint16"),
         ({RELAY_KEY: torch.zeros(6, 3, 2, dtype=torch.uint8)}, r"\(6, 3, 2\)"),
         ({RELAY_KEY: torch.zeros(4, 4, 2, dtype=torch.uint8)}, r"\(4, 4, 2\)"),
+        ({RELAY_KEY: torch.zeros(5, 4, 2, dtype=torch.uint8)}, r"\(5, 4, 2\)"),
         ({RELAY_KEY: np.zeros((6, 4, 2), np.uint8)}, "ndarray"),
     ],
-    ids=["missing", "int32", "wrong-dtype", "wrong-layers", "too-few-rows", "numpy"],
+    ids=[
+        "missing",
+        "int32",
+        "wrong-dtype",
+        "wrong-layers",
+        "too-few-rows",
+        "one-row-short",
+        "numpy",
+    ],  # fmt: skip
 )
 def test_a_malformed_relay_is_refused_before_any_row_is_merged(received, message):
     buffer = torch.full((8, 4, 2), 7, dtype=torch.int32)
@@ -167,7 +176,10 @@ def test_execute_model_merges_on_the_last_stage():
     assert bool((buffer[:, 2:] == 0).all()) and bool((buffer[3:] == 0).all())
 
 
-@pytest.mark.parametrize("case", ["vllm-connector", "dummy-run", "no-forward", "no-connector"])
+@pytest.mark.parametrize(
+    "case",
+    ["vllm-connector", "dummy-run", "dummy-run-positional", "no-forward", "no-connector"],
+)
 def test_execute_model_passes_through_without_a_relayed_forward(case):
     buffer = torch.ones(8, 4, 2, dtype=torch.int32)
     relay = PipelineRelay(buffer, (0, 2), torch.uint8, is_first=True, is_last=False)
@@ -176,13 +188,14 @@ def test_execute_model_passes_through_without_a_relayed_forward(case):
         "no-connector": None,
     }.get(case, types.SimpleNamespace(pipeline_relay=relay))
     runner, calls = _runner_module(connector, state=case != "no-forward")
-    output = (
-        runner.execute_model("s", None, dummy_run=True)
-        if case == "dummy-run"
-        else (runner.execute_model("s"))
-    )
+    if case == "dummy-run":
+        output = runner.execute_model("s", None, dummy_run=True)
+    elif case == "dummy-run-positional":  # dummy_run is execute_model's third parameter
+        output = runner.execute_model("s", None, True)
+    else:
+        output = runner.execute_model("s")
     assert RELAY_KEY not in output.tensors
-    assert calls == [case == "dummy-run"]
+    assert calls == [case.startswith("dummy-run")]
 
 
 # ------------------------------------------------------------------ the config check
