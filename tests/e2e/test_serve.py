@@ -3,6 +3,8 @@ client, against stock vLLM's backend and HF transformers' router (tiny Qwen3-MoE
 
 from __future__ import annotations
 
+import re
+
 import numpy as np
 import pytest
 
@@ -69,3 +71,11 @@ def test_pipeline_parallel_rows_equal_one_stage_and_hf(triton_pp2_run, triton_ru
     # Stage 0's layer is really relayed: it varies across tokens (zeros would not).
     layer0 = np.concatenate([r.rows[:, 0] for r in triton_pp2_run.results.values()])
     assert len(np.unique(layer0)) > 2
+
+
+def test_only_the_last_pipeline_stage_owns_the_data_plane(triton_pp2_run, log_dir):
+    """Under PP the model output, and so every prepare_output, comes from the last stage:
+    only its worker keeps a store and device buffers; the first stage captures and relays."""
+    log = (log_dir / "triton-pp2.log").read_text(errors="replace")
+    roles = re.findall(r"r3capture: triton aux-output backend: .*, (output rank|capture only)", log)
+    assert sorted(roles) == ["capture only", "output rank"], roles
