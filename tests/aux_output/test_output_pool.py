@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import sys
 
 import numpy as np
 import pytest
@@ -109,6 +110,22 @@ def test_clear_keeps_arrays_already_handed_out_valid():
     b = pool.empty(SHAPE, np.uint8)
     b[...] = 4
     assert not np.shares_memory(a, b) and int(a.max()) == 3
+
+
+@pytest.mark.parametrize("gil_enabled", [None, True, False])
+def test_pooling_is_off_where_reference_counts_are_not_exact(monkeypatch, gil_enabled):
+    """A free-threaded CPython (``sys._is_gil_enabled()`` False) may count references
+    lazily: the pool must not trust them there, and hands out plain arrays."""
+    if gil_enabled is None:
+        monkeypatch.delattr(sys, "_is_gil_enabled", raising=False)
+    else:
+        monkeypatch.setattr(sys, "_is_gil_enabled", lambda: gil_enabled, raising=False)
+    pool = _pool()
+    a = pool.empty(SHAPE, np.uint8)
+    pooled = gil_enabled is not False
+    assert pool.max_bytes == (64 << 20 if pooled else 0)
+    assert (a.base is not None) == pooled
+    assert pool.stats["unpooled"] == (0 if pooled else 1)
 
 
 @pytest.mark.parametrize("kwargs", [{"max_bytes": -1}, {"max_bytes": 1, "min_nbytes": 0}])
