@@ -522,6 +522,11 @@ def test_bind_rejects_bound_slot_and_length_mismatch():
     with pytest.raises(ValueError, match="expected 2 slots for 2 keys"):
         store.bind(Ks("bc"), slots[1:])
     assert store.num_unbound == 1
+    # More slots than keys: refused too, not bound one key short.
+    more = np.concatenate((slots[1:], store.allocate(1)))
+    with pytest.raises(ValueError, match="expected 1 slots for 1 keys, got 2"):
+        store.bind(Ks("b"), more)
+    assert store.num_unbound == 2 and K("b") not in store and lru(store) == ["a"]
 
 
 def test_bind_growth_calls_on_grow_and_keeps_all_bytes():
