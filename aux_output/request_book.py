@@ -29,7 +29,7 @@ from r3capture.aux_output.request_table import RequestTable
 from r3capture.aux_output.row_reader import RowReader
 from r3capture.aux_output.sizing import WorkerSizing, require_int
 from r3capture.aux_output.slot_planner import SlotPlanner, lookahead_blocks, ring_widths
-from r3capture.aux_output.step_commit import StepLayout, commit_step
+from r3capture.aux_output.step_commit import StepLayout, check_not_overwritten, commit_step
 from r3capture.aux_output.types import AuxOutputConnectorMetadata, AuxRequestOutput
 from r3capture.kernels import GatherPackArgumentError, GatherPackShape
 from r3capture.store import BlockStore
@@ -297,6 +297,11 @@ class RequestBook:
         )
         if staged_rows is not None:
             self._reader.place_staged(layout, step_info, staged_rows)
+        elif len(self._in_flight) > 2:
+            # Two or more later steps in flight (depth >= 3): one may be scheduled over
+            # this step's rows.
+            later = self._in_flight[self._in_flight.index(layout) + 1 :]
+            check_not_overwritten(layout, plan, later)
         # Copy emitted rows out before any slot can be bound (and later reused).
         outputs = self._reader.emit(layout, plan)
         # Publish the whole step before materializing: a hit may need a block from it.

@@ -266,3 +266,37 @@ def _raise_first_error(
         f"(expected {int(capture_starts[i])}), rows written={written} of "
         f"{int(accepted[i])} accepted; the device and host rejected counts must agree"
     )
+
+
+def check_not_overwritten(layout: StepLayout, plan: CommitPlan, later: list[StepLayout]) -> None:
+    """Fail closed when a step launched after ``layout`` and still in flight (one of
+    ``later``) was scheduled over rows ``layout`` accepted (``plan``): in the ``direct``
+    destination each launch writes the store slots at once, so those slots no longer hold
+    this step's rows.
+
+    Only possible with two or more later steps in flight (depth >= 3, pipeline
+    parallelism): at depth 2 the one later step was scheduled before this step's result and
+    starts past its rows. A scheduler that moves a request back onto rows of a step whose
+    result it has not seen recomputes tokens still in flight; vLLM 0.33.0's connector keeps
+    each step's rows apart and returns them, and so does the ``staging`` destination (each
+    step's rows are placed at its commit).
+    """
+    for other in later:
+        _, here, there = np.intersect1d(
+            layout.rows, other.rows, assume_unique=True, return_indices=True
+        )
+        if not here.size:
+            continue
+        starts = other.token_starts[there]
+        ends = starts + other.num_tokens[there]
+        overlap = (starts < plan.token_ends[here]) & (ends > plan.capture_starts[here])
+        if overlap.any():
+            j = int(np.argmax(overlap))
+            i = int(here[j])
+            raise AuxOutputProtocolError(
+                f"auxiliary output rows [{int(plan.capture_starts[i])}, "
+                f"{int(plan.token_ends[i])}) of request {layout.request_ids[i]!r} were "
+                f"overwritten by a later step in flight scheduled from {int(starts[j])}; "
+                "the direct destination cannot return them "
+                "(R3CAPTURE_DESTINATION=staging keeps each step's rows apart)"
+            )

@@ -118,3 +118,35 @@ def test_eviction_without_capping_fails_identically(seed, extra):
     if ref.error is not None:
         assert ref.error.kind == "BlockObjectStoreError", ref.error
     run_trace(trace.with_config(cap_hits=True), make_vllm_worker)
+
+
+def test_rows_a_later_step_in_flight_was_scheduled_over_fail_closed_in_direct():
+    """At depth 3 the simulator's scheduler can move a request back onto rows of a step
+    still in flight (here r0001: a step at 18 with 5 drafts, then, before its result, a
+    step at 18 again). Real vLLM schedulers do not; a random sweep at depth 3 found the
+    direct destination returning a row the later launch had overwritten, where vLLM's
+    connector returns each step's own rows. Direct now refuses such a step by name;
+    staging keeps each step's rows apart and stays byte-identical."""
+    trace = random_trace(
+        104821,
+        max_num_seqs=16,
+        max_num_batched_tokens=128,
+        max_concurrent_batches=3,
+        num_spec_tokens=5,
+        hash_block_size=3,
+        block_size=3,
+    )
+    ref = run_trace(trace, make_vllm_worker, catch_errors=True, check=False)
+    staging = r3capture_worker_factory(kernel_impl="reference", destination="staging")
+    got = run_trace(trace, staging, catch_errors=True, check=False)
+    assert diff_results(ref, got) is None, diff_results(ref, got)
+    direct = r3capture_worker_factory(kernel_impl="reference", destination="direct")
+    failed = run_trace(trace, direct, catch_errors=True, check=False)
+    assert failed.error is not None and failed.error.phase == "process_output"
+    assert "rows [18, 21) of request 'r0001' were overwritten" in str(failed.error.exc)
+    # Every step processed before the refusal is vLLM's, byte for byte.
+    assert failed.steps and all(
+        a.outputs.keys() == b.outputs.keys()
+        and all(a.outputs[k] == b.outputs[k] for k in a.outputs)
+        for a, b in zip(ref.steps, failed.steps)
+    )
