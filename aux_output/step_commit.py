@@ -289,7 +289,10 @@ def check_not_overwritten(layout: StepLayout, plan: CommitPlan, later: list[Step
             continue
         starts = other.token_starts[there]
         ends = starts + other.num_tokens[there]
-        overlap = (starts < plan.token_ends[here]) & (ends > plan.capture_starts[here])
+        accepted_start, accepted_end = plan.capture_starts[here], plan.token_ends[here]
+        # A step that accepted no rows (a rejected or optimistic one) has none to lose.
+        overlap = (starts < accepted_end) & (ends > accepted_start)
+        overlap &= accepted_start < accepted_end
         if overlap.any():
             j = int(np.argmax(overlap))
             i = int(here[j])

@@ -193,3 +193,41 @@ def test_per_request_and_vectorized_commits_agree(seed, mechanism, monkeypatch):
         state = [c[step.rows].tolist() for c in (table.cursor, table.scheduled, table.emit)]
         results.append((outcome, state))
     assert results[0] == results[1]
+
+
+def _plan(capture_starts, token_ends):
+    n = len(capture_starts)
+    return step_commit.CommitPlan(
+        capture_starts=np.asarray(capture_starts, np.int64),
+        token_ends=np.asarray(token_ends, np.int64),
+        emit_starts=np.asarray(capture_starts, np.int64),
+        direct=np.arange(n),
+        materialize=np.empty(0, np.int64),
+        rows_written=0,
+        completing=None,
+    )
+
+
+@pytest.mark.parametrize(
+    ("later_starts", "later_counts", "refused"),
+    [
+        ([18, 30], [1, 1], "r0"),  # back onto r0's accepted rows 18..21
+        ([20, 30], [6, 1], "r0"),  # over the last of them
+        ([21, 30], [6, 1], None),  # right after them: the usual optimistic step
+        ([22, 19], [1, 4], "r1"),  # onto r1's rows 18..20
+        ([22, 15], [1, 2], None),  # r1's reattach below its accepted rows
+    ],
+)
+def test_a_later_step_scheduled_over_accepted_rows_is_refused(later_starts, later_counts, refused):
+    table, names = setup([0, 0, 0])
+    step = layout(table, names, [18, 18, 40], [6, 4, 1])
+    plan = _plan([18, 18, 40], [21, 20, 40])  # r2 accepted nothing
+    later = [
+        layout(table, names[2:], [39], [3]),  # r2 across its (empty) accepted range: fine
+        layout(table, names[:2], later_starts, later_counts),
+    ]
+    if refused is None:
+        step_commit.check_not_overwritten(step, plan, later)
+        return
+    with pytest.raises(AuxOutputProtocolError, match=f"of request '{refused}' were overwritten"):
+        step_commit.check_not_overwritten(step, plan, later)
