@@ -297,11 +297,8 @@ class RequestBook:
         )
         if staged_rows is not None:
             self._reader.place_staged(layout, step_info, staged_rows)
-        elif len(self._in_flight) > 2:
-            # Two or more later steps in flight (depth >= 3): one may be scheduled over
-            # this step's rows.
-            later = self._in_flight[self._in_flight.index(layout) + 1 :]
-            check_not_overwritten(layout, plan, later)
+        elif len(self._in_flight) > 2:  # depth >= 3: two or more later steps in flight
+            check_not_overwritten(layout, plan, self._in_flight)
         # Copy emitted rows out before any slot can be bound (and later reused).
         outputs = self._reader.emit(layout, plan)
         # Publish the whole step before materializing: a hit may need a block from it.

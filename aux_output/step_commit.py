@@ -268,11 +268,13 @@ def _raise_first_error(
     )
 
 
-def check_not_overwritten(layout: StepLayout, plan: CommitPlan, later: list[StepLayout]) -> None:
-    """Fail closed when a step launched after ``layout`` and still in flight (one of
-    ``later``) was scheduled over rows ``layout`` accepted (``plan``): in the ``direct``
-    destination each launch writes the store slots at once, so those slots no longer hold
-    this step's rows.
+def check_not_overwritten(
+    layout: StepLayout, plan: CommitPlan, in_flight: list[StepLayout]
+) -> None:
+    """Fail closed when a step launched after ``layout`` and still in flight (those after it
+    in ``in_flight``, launch order) was scheduled over rows ``layout`` accepted (``plan``):
+    in the ``direct`` destination each launch writes the store slots at once, so those
+    slots no longer hold this step's rows.
 
     Only possible with two or more later steps in flight (depth >= 3, pipeline
     parallelism): at depth 2 the one later step was scheduled before this step's result and
@@ -281,7 +283,7 @@ def check_not_overwritten(layout: StepLayout, plan: CommitPlan, later: list[Step
     each step's rows apart and returns them, and so does the ``staging`` destination (each
     step's rows are placed at its commit).
     """
-    for other in later:
+    for other in in_flight[in_flight.index(layout) + 1 :]:
         _, here, there = np.intersect1d(
             layout.rows, other.rows, assume_unique=True, return_indices=True
         )

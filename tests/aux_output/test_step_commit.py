@@ -222,12 +222,13 @@ def test_a_later_step_scheduled_over_accepted_rows_is_refused(later_starts, late
     table, names = setup([0, 0, 0])
     step = layout(table, names, [18, 18, 40], [6, 4, 1])
     plan = _plan([18, 18, 40], [21, 20, 40])  # r2 accepted nothing
-    later = [
+    in_flight = [
+        step,
         layout(table, names[2:], [39], [3]),  # r2 across its (empty) accepted range: fine
         layout(table, names[:2], later_starts, later_counts),
     ]
     if refused is None:
-        step_commit.check_not_overwritten(step, plan, later)
+        step_commit.check_not_overwritten(step, plan, in_flight)
         return
     with pytest.raises(AuxOutputProtocolError, match=f"of request '{refused}' were overwritten"):
-        step_commit.check_not_overwritten(step, plan, later)
+        step_commit.check_not_overwritten(step, plan, in_flight)
