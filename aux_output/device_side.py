@@ -33,11 +33,16 @@ from r3capture.kernels import GatherPackLaunch, GatherPackShape, can_write_host_
 TORCH_DTYPES = {np.dtype(np.uint8): torch.uint8, np.dtype(np.uint16): torch.uint16}
 
 
-def pick_destination(requested: str, device: torch.device) -> str:
+def pick_destination(requested: str, device: torch.device, depth: int = 1) -> str:
     """``direct`` (the kernel writes the pinned arena) or ``staging`` for ``requested``
-    ``auto``/``direct``/``staging`` on ``device``."""
+    ``auto``/``direct``/``staging`` on ``device`` with ``depth`` steps in flight."""
     if requested not in ("auto", "direct", "staging"):
         raise ValueError(f"destination must be auto|direct|staging, got {requested!r}")
+    if requested == "auto" and depth >= 3:
+        # With three steps in flight a later launch can be scheduled over rows an earlier
+        # step has yet to return; direct writes would have overwritten them in the store,
+        # staging keeps each step's rows until its commit (step_commit.check_not_overwritten).
+        return "staging"
     if device.type != "cuda":
         # Host and device memory are the same: the kernel writes the arena directly.
         return "staging" if requested == "staging" else "direct"

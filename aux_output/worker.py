@@ -85,7 +85,8 @@ class TritonAuxOutputWorker:
         capture_buffer: the router hooks' int32 buffer ``[max_num_batched_tokens, L, K]``,
             contiguous, on ``device``; allocated (zeros) when not given.
         is_output_rank: only the first TP rank owns the data plane.
-        destination: ``direct`` | ``staging`` | ``auto``/None (env R3CAPTURE_DESTINATION).
+        destination: ``direct`` | ``staging`` | ``auto``/None (env R3CAPTURE_DESTINATION;
+            ``auto`` is ``staging`` at depth >= 3, ``pick_destination``).
         kernel_impl: ``triton`` | ``reference`` | ``auto``/None (env R3CAPTURE_KERNEL_IMPL).
         output_pool_bytes: host bytes kept for recycling large output arrays once their
             consumers drop them; None reads R3CAPTURE_OUTPUT_POOL_BYTES, 0 turns it off.
@@ -123,7 +124,9 @@ class TritonAuxOutputWorker:
                 sizing,
                 device=self.device,
                 destination=pick_destination(
-                    envs.destination() if destination is None else destination, self.device
+                    envs.destination() if destination is None else destination,
+                    self.device,
+                    sizing.max_concurrent_batches,
                 ),
                 output_pool_bytes=output_pool_bytes,
                 wait_for_device_writes=self._wait_for_device_writes,

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from r3capture.aux_output.device_side import DeviceSide
+from r3capture.aux_output.device_side import DeviceSide, pick_destination
 
 L, K, B = 2, 2, 4
 
@@ -51,3 +51,18 @@ def test_more_ring_entries_than_sized_for_are_refused():
     side = _device_side(max_updates=2)
     with pytest.raises(OverflowError, match="3 slot-ring updates exceed 2"):
         _upload(side, [0, 1, 5], [3, 2, 1])
+
+
+@pytest.mark.parametrize(
+    ("requested", "depth", "picked"),
+    [
+        ("auto", 1, "direct"),
+        ("auto", 2, "direct"),
+        ("auto", 3, "staging"),  # a later step may be scheduled over rows still in flight
+        ("auto", 4, "staging"),
+        ("direct", 3, "direct"),  # explicit: kept, and the commit fails such a step closed
+        ("staging", 1, "staging"),
+    ],
+)
+def test_auto_destination_is_staging_from_three_steps_in_flight(requested, depth, picked):
+    assert pick_destination(requested, torch.device("cpu"), depth) == picked

@@ -126,7 +126,8 @@ def test_rows_a_later_step_in_flight_was_scheduled_over_fail_closed_in_direct():
     step at 18 again). Real vLLM schedulers do not; a random sweep at depth 3 found the
     direct destination returning a row the later launch had overwritten, where vLLM's
     connector returns each step's own rows. Direct now refuses such a step by name;
-    staging keeps each step's rows apart and stays byte-identical."""
+    staging, which auto picks at this depth, keeps each step's rows apart and stays
+    byte-identical."""
     trace = random_trace(
         104821,
         max_num_seqs=16,
@@ -137,9 +138,10 @@ def test_rows_a_later_step_in_flight_was_scheduled_over_fail_closed_in_direct():
         block_size=3,
     )
     ref = run_trace(trace, make_vllm_worker, catch_errors=True, check=False)
-    staging = r3capture_worker_factory(kernel_impl="reference", destination="staging")
-    got = run_trace(trace, staging, catch_errors=True, check=False)
-    assert diff_results(ref, got) is None, diff_results(ref, got)
+    for destination in ("staging", None):  # None: auto, which is staging at depth 3
+        factory = r3capture_worker_factory(kernel_impl="reference", destination=destination)
+        got = run_trace(trace, factory, catch_errors=True, check=False)
+        assert diff_results(ref, got) is None, diff_results(ref, got)
     direct = r3capture_worker_factory(kernel_impl="reference", destination="direct")
     failed = run_trace(trace, direct, catch_errors=True, check=False)
     assert failed.error is not None and failed.error.phase == "process_output"
