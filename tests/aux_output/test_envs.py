@@ -42,7 +42,9 @@ def test_the_worker_reads_them_when_its_arguments_leave_the_choice_open(monkeypa
     worker = TritonAuxOutputWorker(sizing)
     assert worker.device_side.destination == "staging"
     # An explicit argument wins over the environment.
-    assert TritonAuxOutputWorker(sizing, destination="direct").device_side.destination == "direct"
+    explicit = TritonAuxOutputWorker(sizing, destination="direct")
+    assert explicit.device_side.destination == "direct"
+    explicit.close()
     monkeypatch.setenv("R3CAPTURE_KERNEL_IMPL", "fastest")
     with pytest.raises(ValueError, match="R3CAPTURE_KERNEL_IMPL='fastest'"):
         TritonAuxOutputWorker(sizing)

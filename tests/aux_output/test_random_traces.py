@@ -123,11 +123,11 @@ def test_eviction_without_capping_fails_identically(seed, extra):
 def test_rows_a_later_step_in_flight_was_scheduled_over_fail_closed_in_direct():
     """At depth 3 the simulator's scheduler can move a request back onto rows of a step
     still in flight (here r0001: a step at 18 with 5 drafts, then, before its result, a
-    step at 18 again). Real vLLM schedulers do not; a random sweep at depth 3 found the
-    direct destination returning a row the later launch had overwritten, where vLLM's
-    connector returns each step's own rows. Direct now refuses such a step by name;
-    staging, which auto picks at this depth, keeps each step's rows apart and stays
-    byte-identical."""
+    step at 18 again); whether vLLM's own scheduler ever does is not known here. A random
+    sweep at depth 3 found the direct destination returning a row the later launch had
+    overwritten, where vLLM's connector returns each step's own rows. Direct now refuses
+    such a step by name; staging, which auto picks at this depth, keeps each step's rows
+    apart and stays byte-identical."""
     trace = random_trace(
         104821,
         max_num_seqs=16,
