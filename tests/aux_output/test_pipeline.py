@@ -128,6 +128,28 @@ def test_stage_placement_errors_are_named():
         relay_after_forward(relay, Tensors({RELAY_KEY: buffer.to(torch.uint8)}), None, 2)
 
 
+def test_a_stage_that_owns_no_layer_passes_the_rows_on():
+    """A stage with an empty layer range (its router hooks write nothing) merges every
+    earlier column and sends the rows on unchanged."""
+    sent = torch.randint(0, 200, (6, 4, 2), dtype=torch.int32)
+    buffer = torch.zeros(6, 4, 2, dtype=torch.int32)
+    relay = PipelineRelay(buffer, (2, 2), torch.uint8, is_first=False, is_last=False)
+    output = Tensors({})
+    relay_after_forward(relay, Tensors({RELAY_KEY: sent.to(torch.uint8)}), output, 5)
+    expected = sent[:5].clone()
+    expected[:, 2:] = 0
+    assert torch.equal(output.tensors[RELAY_KEY], expected.to(torch.uint8))
+
+
+def test_pipeline_size_reads_one_for_a_config_without_pipeline_settings():
+    assert pipeline.pipeline_size(types.SimpleNamespace()) == 1
+    unset = types.SimpleNamespace(
+        parallel_config=types.SimpleNamespace(pipeline_parallel_size=None)
+    )
+    assert pipeline.pipeline_size(unset) == 1
+    assert pipeline.pipeline_size(_config("triton", pp=1)) == 1
+
+
 # ------------------------------------------------------------------ model runner hook
 
 

@@ -8,7 +8,7 @@ test_differential.py; this file is about input the worker cannot honour at all.
 from __future__ import annotations
 
 import dataclasses
-from types import SimpleNamespace
+from types import MappingProxyType, SimpleNamespace
 
 import numpy as np
 import pytest
@@ -205,6 +205,35 @@ def test_numpy_integer_emit_starts_are_ints():
     batch = [("a", 1, 6, 2), ("c", 1, 4, 2)]
     assert _same_outputs(run_step(worker, numpy_step, batch), run_step(twin, step, batch))
     assert worker.store.eviction_order() == twin.store.eviction_order()
+
+
+def test_numpy_generation_and_a_read_only_mapping_of_requests_are_valid():
+    """Any integral generation and any mapping of requests pass, as the checks promise; the
+    worker then behaves as with vLLM's own int and dict."""
+    worker, twin = make_worker(), make_worker()
+    assert _same_outputs(_first_step(worker), _first_step(twin))
+    step = meta({"a": 6, "c": 0}, {"a": hashes(1, range(1, 2)), "c": hashes(1, range(1))})
+    unusual = _as_namespace(step)
+    unusual.generation = np.int64(step.generation)
+    unusual.requests = MappingProxyType(dict(step.requests))
+    batch = [("a", 1, 6, 2), ("c", 1, 4, 2)]
+    assert _same_outputs(run_step(worker, unusual, batch), run_step(twin, step, batch))
+    assert worker.store.eviction_order() == twin.store.eviction_order()
+
+
+def test_uint64_emit_starts_that_fit_int64_are_kept():
+    known = {"a"}.__contains__
+    for start in (5, 2**63 - 1):
+        starts = checked_emit_starts(meta({"a": np.uint64(start)}), known, 0)
+        assert starts.dtype == np.int64 and starts.tolist() == [start]
+
+
+@pytest.mark.parametrize("missing", ["generation", "requests", "block_hashes", "finished_requests"])
+def test_metadata_missing_a_field_names_that_field(missing):
+    fields = dict(generation=0, requests={}, block_hashes={}, finished_requests=())
+    del fields[missing]
+    with pytest.raises(TypeError, match=f"SimpleNamespace without {missing}$"):
+        checked_emit_starts(SimpleNamespace(**fields), {"a"}.__contains__, 0)
 
 
 @pytest.mark.parametrize("emit_start", [2**63, np.uint64(2**64 - 1)], ids=repr)
