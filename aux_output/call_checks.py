@@ -68,7 +68,9 @@ def checked_emit_starts(
         if not _is_packed(packed):
             _refuse_packed(f"metadata.block_hashes[{request_id!r}]", packed)
     if type(finished) is not tuple and (
-        isinstance(finished, (str, bytes)) or not hasattr(finished, "__iter__")
+        isinstance(finished, (str, bytes))
+        or not hasattr(finished, "__iter__")
+        or iter(finished) is finished  # read twice below: a one-shot iterator loses its ids
     ):
         raise TypeError(
             f"metadata.finished_requests must be a tuple of request ids, got {finished!r}"

@@ -198,6 +198,15 @@ SCRIPTS = {
         ("begin", _meta({"a": 0}, generation=1)),
         ("begin", _meta({"a": 0}, generation=0)),
     ],
+    # vLLM's generation assertion comes before any lookup of the requests the step names.
+    "generation_moves_backwards_with_hashes_of_unknown_requests": [
+        ("begin", _meta({"a": 0}, generation=1)),
+        ("begin", _meta({}, {"zz": [1]}, generation=0)),
+    ],
+    "generation_moves_backwards_finishing_unknown_requests": [
+        ("begin", _meta({"a": 0}, generation=1)),
+        ("begin", _meta({}, finished=("zz",), generation=0)),
+    ],
     "rejected_count_invalid": [
         ("begin", _meta({"a": 0}, {"a": [1]})),
         ("prepare", [("a", 0, 4, 0)], [5]),

@@ -64,18 +64,21 @@ def batch_of(**fields) -> SimpleNamespace:
     return SimpleNamespace(**fields)
 
 
-def run_step(worker, metadata, batch, rejected=None, sampled=None):
-    """One synchronous step: rows of ``batch`` = [(req_id, seed, token_start, count)]."""
+def run_step(worker, metadata, batch, rejected=None, sampled=None, padding=0):
+    """One synchronous step: rows of ``batch`` = [(req_id, seed, token_start, count)].
+    ``padding``: entries past the batch's requests in the host arrays (vLLM reads only the
+    first ``num_reqs``), filled with values no request has."""
     worker.begin_step(metadata)
-    qsl = np.zeros(len(batch) + 1, np.int32)
-    np.cumsum([count for *_, count in batch], out=qsl[1:])
+    qsl = np.full(len(batch) + 1 + padding, 10**6, np.int32)
+    qsl[0] = 0
+    np.cumsum([count for *_, count in batch], out=qsl[1 : len(batch) + 1])
     rows = [routes(seed, start, count) for _, seed, start, count in batch]
     if rows:
-        worker.capture_buffer[: qsl[-1]] = torch.from_numpy(np.concatenate(rows))
+        worker.capture_buffer[: qsl[len(batch)]] = torch.from_numpy(np.concatenate(rows))
     fields = dict(
         req_ids=[r for r, *_ in batch],
         query_start_loc_np=qsl,
-        num_computed_tokens_np=np.array([s for _, _, s, _ in batch], np.int32),
+        num_computed_tokens_np=np.array([s for _, _, s, _ in batch] + [-7] * padding, np.int32),
         positions=torch.from_numpy(
             np.concatenate([np.arange(s, s + c) for _, _, s, c in batch] or [np.zeros(0)])
         ).long(),

@@ -124,38 +124,56 @@ def _same_outputs(left: dict, right: dict) -> bool:
 
 
 PACKED_OK = PackedBlockHashes(bytes(8), 8)
+# field -> [(bad value, the error it must raise)]
 METADATA_CORRUPTIONS = {
-    "generation": [1.5, True, "0", None, -1],
+    "generation": [
+        (1.5, TypeError),
+        (True, TypeError),
+        ("0", TypeError),
+        (None, TypeError),
+        (-1, ValueError),
+    ],
     "requests": [
-        None,
-        [("b", 3)],
-        {"b": 1.5},
-        {"b": "3"},
-        {"b": -1},
-        {"b": None},
-        {"b": True},
-        {"b": 2**63},
-        {"b": np.uint64(2**63)},
-        {"b": -(2**63) - 1},
-        {"b": 2**64},
-        {"b": np.float64(3.0)},
-        {"b": 3, "c": 2.5},
+        (None, TypeError),
+        ([("b", 3)], TypeError),
+        ({"b": 1.5}, TypeError),
+        ({"b": "3"}, TypeError),
+        ({"b": -1}, ValueError),
+        ({"b": np.int32(-1)}, ValueError),
+        ({"b": None}, TypeError),
+        ({"b": True}, TypeError),
+        ({"b": 2**63}, ValueError),
+        ({"b": np.uint64(2**63)}, ValueError),
+        ({"b": -(2**63) - 1}, TypeError),
+        ({"b": 2**64}, TypeError),
+        ({"b": np.float64(3.0)}, TypeError),
+        ({"b": 3, "c": 2.5}, TypeError),
     ],
     "block_hashes": [
-        None,
-        {"zz": PACKED_OK},
-        {"b": b"raw bytes"},
-        {"b": PackedBlockHashes(b"123", 2)},
-        {"b": PackedBlockHashes(b"", 0)},
-        {"b": PackedBlockHashes(b"xx", 2.0)},
-        {"b": SimpleNamespace(data="not bytes", item_size=1)},
-        {"b": SimpleNamespace(data=b"xx", item_size=[2])},
-        {"b": PACKED_OK, "zz": PACKED_OK},
-        {"b": PACKED_OK, "a": PackedBlockHashes(b"x" * 12, 8)},
+        (None, TypeError),
+        ({"zz": PACKED_OK}, KeyError),
+        ({"b": b"raw bytes"}, TypeError),
+        ({"b": PackedBlockHashes(b"123", 2)}, ValueError),
+        ({"b": PackedBlockHashes(b"", 0)}, ValueError),
+        ({"b": PackedBlockHashes(b"xx", -2)}, ValueError),
+        ({"b": PackedBlockHashes(b"xx", 2.0)}, TypeError),
+        ({"b": PackedBlockHashes(b"xx", True)}, TypeError),
+        ({"b": SimpleNamespace(data="not bytes", item_size=1)}, TypeError),
+        ({"b": SimpleNamespace(data=b"xx", item_size=[2])}, TypeError),
+        ({"b": PACKED_OK, "zz": PACKED_OK}, KeyError),
+        ({"b": PACKED_OK, "a": PackedBlockHashes(b"x" * 12, 8)}, ValueError),
     ],
-    "finished_requests": ["b", None, 7, ("zz",), ("b", "zz")],
-    "retained_block_hashes": [b"xx", PackedBlockHashes(b"abc", 2)],
-    "released_block_hashes": [PackedBlockHashes(b"abc", 0)],
+    "finished_requests": [
+        ("b", TypeError),
+        (None, TypeError),
+        (7, TypeError),
+        (("zz",), KeyError),
+        (("b", "zz"), KeyError),
+        (["zz"], KeyError),
+        (iter(["b"]), TypeError),
+    ],
+    "retained_block_hashes": [(b"xx", TypeError), (PackedBlockHashes(b"abc", 2), ValueError)],
+    "released_block_hashes": [(PackedBlockHashes(b"abc", 0), ValueError)],
 }
 
 
@@ -165,18 +183,18 @@ def one_of_each(corruptions: dict) -> st.SearchStrategy:
 
 
 @pytest.mark.parametrize(
-    "field_and_value",
-    [(f, v) for f, values in METADATA_CORRUPTIONS.items() for v in values],
+    "field, value, error",
+    [(f, v, e) for f, cases in METADATA_CORRUPTIONS.items() for v, e in cases],
     ids=repr,
 )
-def test_malformed_metadata_is_named_and_changes_nothing(field_and_value):
-    field, value = field_and_value
+def test_malformed_metadata_is_named_and_changes_nothing(field, value, error):
     worker, twin = make_worker(), make_worker()
     assert _same_outputs(_first_step(worker), _first_step(twin))
     bad = _as_namespace(meta({"b": 3}))
     setattr(bad, field, value)
     with pytest.raises((TypeError, ValueError, KeyError)) as info:
         worker.begin_step(bad)
+    assert type(info.value) is error, info.value
     assert f"metadata.{field}" in str(info.value.args[0])
     assert _same_outputs(_second_step(worker), _second_step(twin))
     assert len(worker.store) == len(twin.store) and worker.store.eviction_order() == (
@@ -216,6 +234,7 @@ def test_numpy_generation_and_a_read_only_mapping_of_requests_are_valid():
     unusual = _as_namespace(step)
     unusual.generation = np.int64(step.generation)
     unusual.requests = MappingProxyType(dict(step.requests))
+    unusual.block_hashes = MappingProxyType(dict(step.block_hashes))
     batch = [("a", 1, 6, 2), ("c", 1, 4, 2)]
     assert _same_outputs(run_step(worker, unusual, batch), run_step(twin, step, batch))
     assert worker.store.eviction_order() == twin.store.eviction_order()
@@ -400,3 +419,29 @@ def test_results_of_a_step_whose_copy_was_not_started_are_refused():
     assert step_info.shape == (1, 3) and staged is None
     assert tuple(step_info[0]) == (3, 1, 0)  # start 3, one row written, status OK
     assert pending.process_output()["b"].token_start == 3
+
+
+def test_unusual_but_valid_step_input_behaves_like_the_usual():
+    """What vLLM's worker also reads: finish events as a list, hashes in a bytearray with a
+    numpy item size, and host batch arrays longer than the step (it reads the first
+    ``num_reqs`` entries). Same outputs and store as a twin given the usual types."""
+    worker, twin = make_worker(), make_worker()
+    assert _same_outputs(_first_step(worker), _first_step(twin))
+    step = meta({"a": 6, "c": 0}, {"a": hashes(1, range(1, 2)), "c": hashes(1, range(1))})
+    unusual = _as_namespace(step)
+    unusual.block_hashes = {
+        r: PackedBlockHashes(bytearray(p.data), np.int64(p.item_size))
+        for r, p in step.block_hashes.items()
+    }
+    batch = [("a", 1, 6, 2), ("c", 1, 4, 2)]
+    assert _same_outputs(run_step(worker, unusual, batch, padding=3), run_step(twin, step, batch))
+    done = _as_namespace(meta({"d": 0}))
+    done.finished_requests = ["a", "c"]
+    next_step = [("d", 3, 0, 2)]
+    assert _same_outputs(
+        run_step(worker, done, next_step),
+        run_step(twin, meta({"d": 0}, finished=("a", "c")), next_step),
+    )
+    # The finished requests' keys were released: unreferenced now, in vLLM's order.
+    assert len(worker.store.eviction_order()) == 2
+    assert worker.store.eviction_order() == twin.store.eviction_order()
