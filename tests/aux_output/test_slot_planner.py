@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import numpy as np
+import pytest
 
 from r3capture.aux_output.request_table import RequestTable
 from r3capture.aux_output.slot_planner import SlotPlanner, lookahead_blocks
-from r3capture.aux_output.step_commit import StepLayout
+from r3capture.aux_output.step_commit import PER_REQUEST_MAX, StepLayout
 from r3capture.store import BlockStore
 
 # 256 tokens a block: a request's first row takes its block and one block of lookahead.
@@ -62,3 +63,28 @@ def test_recorded_teardown_is_applied_before_the_reserve_grows():
     planner.take_slots(_first_rows(table, ["a", "b"]))
     planner.take_slots(_first_rows(table, ["c"]))
     assert calls == [0] and store.reserve_slots == 4 and store.num_unbound == 4
+
+
+@pytest.mark.parametrize("num_reqs", [1, PER_REQUEST_MAX + 1], ids=["per-request", "vector"])
+def test_a_request_grows_exactly_when_its_last_row_enters_its_end_block(num_reqs):
+    """Each request holds blocks 0 and 1 (its first row's block and the lookahead). A step
+    whose last row is token 511 (the last of block 1) takes nothing; one whose last row is
+    token 512 (the first of block 2) takes block 2 and one more of lookahead. Both the
+    per-request and the vector test of a step."""
+    store = BlockStore(max_bytes=8 * 8 * num_reqs, object_nbytes=8, reserve_slots=8 * num_reqs)
+    table = RequestTable(ring_width=8, capacity=num_reqs + 1)
+    planner = SlotPlanner(table, store, B, lambda: False)
+    names = [f"r{i}" for i in range(num_reqs)]
+    planner.take_slots(_first_rows(table, names))
+    rows = table.rows(names)
+    assert table.end[rows].tolist() == [2] * num_reqs
+
+    def step(num_rows: int) -> StepLayout:
+        starts = np.ones(num_reqs, np.int64)
+        return StepLayout(names, rows, starts, np.arange(num_reqs + 1, dtype=np.int64) * num_rows)
+
+    assert planner.take_slots(step(511)) is None
+    assert table.end[rows].tolist() == [2] * num_reqs
+    assert planner.take_slots(step(512)) is not None
+    assert table.end[rows].tolist() == [4] * num_reqs
+    assert store.num_unbound == 4 * num_reqs
