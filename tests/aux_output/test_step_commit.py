@@ -89,8 +89,13 @@ def test_nothing_sampled_emits_nothing_and_keeps_the_emit_cursor():
         ([4, 8], [4, 8], [4, 6], [1, 1], [0, 0], "capture moved backwards", "r1"),
         ([4, 8], [4, 8], [4, 9], [1, 1], [0, 0], "unbacked token gap", "r1"),
         ([4, NO_CURSOR], [4, 0], [4, 5], [1, 2], [0, 0], "not contiguous", "r1"),
+        ([4, NO_CURSOR], [4, 0], [4, 5], [1, 1], [0, 0], "not contiguous", "r1"),
         # The first failing request names the error, whatever the later ones fail.
         ([8, 4], [8, 4], [6, 4], [1, 0], [0, 0], "capture moved backwards", "r0"),
+        # A request before it at a check's boundary passes: all rows rejected, and a first
+        # capture off a block boundary that accepts nothing.
+        ([4, 4], [4, 4], [4, 4], [2, 0], [2, 0], "token count must be positive", "r1"),
+        ([NO_CURSOR, 4], [0, 4], [5, 4], [2, 0], [2, 0], "token count must be positive", "r1"),
     ],
 )
 def test_first_failing_request_names_vllms_error(
@@ -122,26 +127,32 @@ def test_kernel_results_that_disagree_fail_closed(step_info, what):
 
 
 def _random_step(rng: random.Random, num_reqs: int, valid: bool):
-    """A table and a step for it: mostly well-formed requests (decode, reattach after a
-    rejected suffix, first capture, prefix hits, nothing sampled); with ``valid`` False,
-    one field of one request is corrupted."""
+    """A table and a step for it: mostly well-formed requests (decode; reattach after a
+    rejected suffix, with rows returned up to or past its new end; first capture; a first
+    step off a block boundary whose rows are all rejected; prefix hits; nothing sampled);
+    with ``valid`` False, one field of one request is corrupted."""
     cursors, scheduled, emits, starts, counts, rejected, sampled = ([] for _ in range(7))
     for _ in range(num_reqs):
-        kind = rng.choice(["decode", "reattach", "fresh", "hit"])
+        kind = rng.choice(["decode", "reattach", "fresh", "fresh-all-rejected", "hit"])
         cursor = rng.randrange(0, 64)
         n = rng.randrange(1, 6)
         if kind == "fresh":
             start, cur, sched = rng.randrange(0, 16) * B, NO_CURSOR, 0
             emit = rng.choice([start, 0])
+        elif kind == "fresh-all-rejected":
+            start, cur, sched = rng.randrange(0, 16) * B + rng.randrange(1, B), NO_CURSOR, 0
+            emit = rng.choice([start, 0])
         elif kind == "reattach":
             start, cur, sched = cursor + rng.randrange(1, 3), cursor, cursor + 3
-            emit = cursor
+            # The rows it returned may reach past what this step accepts (async drafts).
+            emit = rng.choice([cursor, cursor + 8])
         else:
             start, cur, sched = cursor, cursor, cursor
             emit = cursor if kind == "decode" else rng.randrange(0, cursor + 1)
         cursors.append(cur), scheduled.append(sched), emits.append(emit)
         starts.append(start), counts.append(n)
-        rejected.append(rng.randrange(0, n + 1)), sampled.append(rng.choice([0, 1, 1, 2]))
+        rejected.append(n if kind == "fresh-all-rejected" else rng.randrange(0, n + 1))
+        sampled.append(rng.choice([0, 1, 1, 2]))
     if not valid:
         i = rng.randrange(num_reqs)
         field, value = rng.choice(
@@ -172,9 +183,19 @@ def _random_step(rng: random.Random, num_reqs: int, valid: bool):
 @pytest.mark.parametrize("seed", range(300))
 def test_per_request_and_vectorized_commits_agree(seed, mechanism, monkeypatch):
     """The loop and the vector operations give the same plan, the same table and the same
-    error on random steps of 1 to 40 requests, a third of them malformed."""
+    error on random steps of 1 to 40 requests, a third of them malformed; the loop commits
+    every step that passes the checks itself (it hands only failures to the vector
+    operations)."""
     rng = random.Random(seed)
     num_reqs, valid = rng.randrange(1, 41), rng.random() < 0.67
+    vector_calls = []
+    vectorized = step_commit._commit_vectorized
+
+    def counting_vectorized(*args, **kwargs):
+        vector_calls.append(limit)
+        return vectorized(*args, **kwargs)
+
+    monkeypatch.setattr(step_commit, "_commit_vectorized", counting_vectorized)
     results = []
     for limit in (10**6, 0):
         table, step, sampled, rejected, placed = _random_step(random.Random(seed), num_reqs, valid)
@@ -193,6 +214,8 @@ def test_per_request_and_vectorized_commits_agree(seed, mechanism, monkeypatch):
         state = [c[step.rows].tolist() for c in (table.cursor, table.scheduled, table.emit)]
         results.append((outcome, state))
     assert results[0] == results[1]
+    committed = not isinstance(results[0][0], str)
+    assert vector_calls == ([0] if committed else [10**6, 0])
 
 
 def _plan(capture_starts, token_ends):
