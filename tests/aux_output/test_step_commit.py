@@ -92,6 +92,7 @@ def test_nothing_sampled_emits_nothing_and_keeps_the_emit_cursor():
         ([4, NO_CURSOR], [4, 0], [4, 5], [1, 1], [0, 0], "not contiguous", "r1"),
         # The first failing request names the error, whatever the later ones fail.
         ([8, 4], [8, 4], [6, 4], [1, 0], [0, 0], "capture moved backwards", "r0"),
+        ([NO_CURSOR, 4], [0, 4], [8, 4], [1, 0], [0, 0], "token count must be positive", "r1"),
         # A request before it at a check's boundary passes: all rows rejected, and a first
         # capture off a block boundary that accepts nothing.
         ([4, 4], [4, 4], [4, 4], [2, 0], [2, 0], "token count must be positive", "r1"),
@@ -239,6 +240,7 @@ def _plan(capture_starts, token_ends):
         ([21, 30], [6, 1], None),  # right after them: the usual optimistic step
         ([22, 19], [1, 4], "r1"),  # onto r1's rows 18..20
         ([22, 15], [1, 2], None),  # r1's reattach below its accepted rows
+        ([22, 16], [1, 2], None),  # ending right where they begin
     ],
 )
 def test_a_later_step_scheduled_over_accepted_rows_is_refused(later_starts, later_counts, refused):
@@ -246,9 +248,11 @@ def test_a_later_step_scheduled_over_accepted_rows_is_refused(later_starts, late
     step = layout(table, names, [18, 18, 40], [6, 4, 1])
     plan = _plan([18, 18, 40], [21, 20, 40])  # r2 accepted nothing
     in_flight = [
+        # Launched before it, over the same rows: this step's writes came after, so fine.
+        layout(table, names[:2], [18, 18], [6, 4]),
         step,
-        layout(table, names[2:], [39], [3]),  # r2 across its (empty) accepted range: fine
         layout(table, names[:2], later_starts, later_counts),
+        layout(table, names[2:], [39], [3]),  # r2 across its (empty) accepted range: fine
     ]
     if refused is None:
         step_commit.check_not_overwritten(step, plan, in_flight)
