@@ -70,7 +70,7 @@ def checked_emit_starts(
     if type(finished) is not tuple and (
         isinstance(finished, (str, bytes))
         or not hasattr(finished, "__iter__")
-        or iter(finished) is finished  # read twice below: a one-shot iterator loses its ids
+        or iter(finished) is finished  # read more than once: an iterator would lose ids
     ):
         raise TypeError(
             f"metadata.finished_requests must be a tuple of request ids, got {finished!r}"
