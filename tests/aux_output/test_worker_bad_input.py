@@ -124,6 +124,25 @@ def _same_outputs(left: dict, right: dict) -> bool:
 
 
 PACKED_OK = PackedBlockHashes(bytes(8), 8)
+
+
+class _OneShotIds:
+    """A one-shot iterator of request ids with a stable repr (a test id must not hold an
+    address)."""
+
+    def __init__(self, ids: list[str]) -> None:
+        self._ids = iter(ids)
+
+    def __iter__(self):
+        return self
+
+    def __next__(self) -> str:
+        return next(self._ids)
+
+    def __repr__(self) -> str:
+        return "_OneShotIds(...)"
+
+
 # field -> [(bad value, the error it must raise)]
 METADATA_CORRUPTIONS = {
     "generation": [
@@ -170,7 +189,7 @@ METADATA_CORRUPTIONS = {
         (("zz",), KeyError),
         (("b", "zz"), KeyError),
         (["zz"], KeyError),
-        (iter(["b"]), TypeError),
+        (_OneShotIds(["b"]), TypeError),
     ],
     "retained_block_hashes": [(b"xx", TypeError), (PackedBlockHashes(b"abc", 2), ValueError)],
     "released_block_hashes": [(PackedBlockHashes(b"abc", 0), ValueError)],
