@@ -149,9 +149,11 @@ def test_device_ring_is_narrower_and_holds_the_last_blocks_taken(take):
     assert table.device_ring()[a].tolist() == [19, 17, 18, 7, 9]  # blocks 9, 7, 8
 
 
-def test_device_width_must_fit_the_ring():
-    with pytest.raises(ValueError, match="device_width must be in 1..ring_width \\(4\\), got 5"):
-        RequestTable(ring_width=4, device_width=5)
+@pytest.mark.parametrize("device_width", [0, 5])
+def test_device_width_must_fit_the_ring(device_width):
+    match = f"device_width must be in 1..ring_width \\(4\\), got {device_width}"
+    with pytest.raises(ValueError, match=match):
+        RequestTable(ring_width=4, device_width=device_width)
 
 
 @pytest.mark.parametrize("seed", range(150))
@@ -263,6 +265,7 @@ def test_clear_frees_every_unbound_slot_in_add_order(take):
 
 def test_add_many_takes_fresh_rows_and_grows_past_double():
     table = RequestTable(ring_width=2, capacity=2)
+    assert table.capacity == 2 and len(table.cursor) == 2 and table.ring.shape == (2, 4)
     first = table.add("a", 1)
     table.cursor[first] = 7
     table.remove(["a"])
@@ -325,3 +328,27 @@ def test_ring_widths_keep_one_step_on_the_device():
     # Small budgets: the lookahead and reattachment room outgrow the steps in flight, and
     # the device ring is the host's.
     assert ring_widths(64, 4, 2) == (3 * 17 + 1 + 64,) * 2
+
+
+def test_rows_cache_answers_only_the_same_ids_in_the_same_version():
+    table = RequestTable(ring_width=2)
+    a, b, c = (table.add(name, 0) for name in "abc")
+    first = table.rows(["a", "b"], cache="batch")
+    assert first.tolist() == [a, b]
+    # Steady decode: an equal list (not the same object) gets the very array back.
+    assert table.rows(["a", "b"], cache="batch") is first
+    # Same version, other ids or order: looked up again, under any cache name.
+    assert table.rows(["b", "a"], cache="batch").tolist() == [b, a]
+    assert table.rows(["a", "b", "c"], cache="batch").tolist() == [a, b, c]
+    assert table.rows(["c"], cache="other").tolist() == [c]
+    assert table.rows(["a", "b", "c"], cache="batch").tolist() == [a, b, c]
+    # "a" leaves and comes back on another row (its old one goes to "d"): the same list of
+    # ids now names other rows.
+    table.remove(["a"])
+    assert table.add("d", 0) == a
+    a_again = table.add("a", 0)
+    assert a_again not in (a, b, c)
+    assert table.rows(["a", "b", "c"], cache="batch").tolist() == [a_again, b, c]
+    # Without a cache name nothing is kept: the next lookup under a name looks up again.
+    table.rows(["d"])
+    assert table.rows(["d"], cache="batch").tolist() == [a]
