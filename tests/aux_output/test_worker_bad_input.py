@@ -21,6 +21,7 @@ from r3capture.aux_output.call_checks import checked_emit_starts
 from r3capture.aux_output.sizing import WorkerSizing
 from r3capture.aux_output.types import PackedBlockHashes
 from r3capture.aux_output.worker import TritonAuxOutputWorker
+from r3capture.kernels import GatherPackArgumentError
 
 SETTINGS = settings(
     max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
@@ -48,36 +49,38 @@ def test_sizing_refuses_a_bad_row_shape_naming_the_dimension(index, bad):
         WorkerSizing(**dict(SIZES, shape_per_token=tuple(shape)))
 
 
-def _bad_capture_buffers():
+def _bad_capture_buffers() -> list:
     good = torch.zeros(32, L, K, dtype=torch.int32)
-    return st.sampled_from(
-        [
-            good.float(),
-            good.long(),
-            good[:31],
-            good[:, :, :1],
-            good[:, 0],
-            good.transpose(1, 2).contiguous().transpose(1, 2),
-            good.to("meta"),
-            good.numpy(),
-            [[0]],
-        ]
-    )
+    return [
+        good.float(),
+        good.long(),
+        good[:31],
+        good[:, :, :1],
+        good[:, 0],
+        good.transpose(1, 2).contiguous().transpose(1, 2),
+        good.to("meta"),
+        good.numpy(),
+        [[0]],
+    ]
 
 
-@SETTINGS
-@given(
-    overrides=st.one_of(
-        st.fixed_dictionaries({"capture_buffer": _bad_capture_buffers()}),
-        st.fixed_dictionaries({"kernel_impl": st.sampled_from(["cuda", "", "TRITON", 1])}),
-        st.fixed_dictionaries({"destination": st.sampled_from(["host", "", "DIRECT", 0])}),
-        st.fixed_dictionaries({"output_pool_bytes": st.sampled_from([-1, 2.5, "8", True])}),
-    )
+# Every refused constructor argument, each tried (a sample of them could miss one).
+BAD_CONSTRUCTOR_ARGUMENTS = [
+    *(("capture_buffer", bad) for bad in _bad_capture_buffers()),
+    *(("kernel_impl", bad) for bad in ["cuda", "", "TRITON", 1]),
+    *(("destination", bad) for bad in ["host", "", "DIRECT", 0]),
+    *(("output_pool_bytes", bad) for bad in [-1, 2.5, "8", True]),
+]
+
+
+@pytest.mark.parametrize(
+    "name, value",
+    BAD_CONSTRUCTOR_ARGUMENTS,
+    ids=[f"{name}-{i}" for i, (name, _) in enumerate(BAD_CONSTRUCTOR_ARGUMENTS)],
 )
-def test_worker_constructor_names_what_it_refuses(overrides):
-    (name,) = overrides
+def test_worker_constructor_names_what_it_refuses(name, value):
     with pytest.raises((TypeError, ValueError), match=name):
-        make_worker(**overrides)
+        make_worker(**{name: value})
 
 
 def test_worker_constructor_refuses_a_non_sizing():
@@ -194,11 +197,6 @@ METADATA_CORRUPTIONS = {
     "retained_block_hashes": [(b"xx", TypeError), (PackedBlockHashes(b"abc", 2), ValueError)],
     "released_block_hashes": [(PackedBlockHashes(b"abc", 0), ValueError)],
 }
-
-
-def one_of_each(corruptions: dict) -> st.SearchStrategy:
-    """(field, bad value) pairs of a table of corruptions per field."""
-    return st.sampled_from([(f, v) for f, values in corruptions.items() for v in values])
 
 
 @pytest.mark.parametrize(
@@ -344,10 +342,12 @@ BATCH_CORRUPTIONS = {
 }
 
 
-@SETTINGS
-@given(field_and_value=one_of_each(BATCH_CORRUPTIONS))
-def test_malformed_input_batch_is_named_and_changes_nothing(field_and_value):
-    field, value = field_and_value
+@pytest.mark.parametrize(
+    "field, value",
+    [(field, value) for field, values in BATCH_CORRUPTIONS.items() for value in values],
+    ids=[f"{field}-{i}" for field, values in BATCH_CORRUPTIONS.items() for i in range(len(values))],
+)
+def test_malformed_input_batch_is_named_and_changes_nothing(field, value):
     worker, twin = make_worker(), make_worker()
     _first_step(worker), _first_step(twin)
     worker.begin_step(meta({"b": 3}))
@@ -372,6 +372,41 @@ def test_malformed_input_batch_is_named_and_changes_nothing(field_and_value):
     assert _same_outputs(_second_step(worker), _second_step(twin))
 
 
+# The step's device rejected counts (``set_step_num_rejected``, from the plugin, not from the
+# batch): the kernel's own error, naming ``num_rejected``.
+DEVICE_REJECTED_CORRUPTIONS = [
+    torch.zeros(1),
+    torch.zeros(1, 1, dtype=torch.int32),
+    torch.zeros(0, dtype=torch.int32),
+    torch.zeros(4, dtype=torch.int32)[::2],  # strided: the kernel would read entry 2
+    np.zeros(1, np.int32),
+]
+
+
+@pytest.mark.parametrize(
+    "value", DEVICE_REJECTED_CORRUPTIONS, ids=range(len(DEVICE_REJECTED_CORRUPTIONS))
+)
+def test_malformed_device_rejected_counts_are_named_and_change_nothing(value):
+    worker, twin = make_worker(), make_worker()
+    _first_step(worker), _first_step(twin)
+    worker.begin_step(meta({"b": 3}))
+    worker.set_step_num_rejected(value)
+    with pytest.raises(GatherPackArgumentError, match="^gather_pack: num_rejected ") as info:
+        worker.prepare_output(SimpleNamespace(**_batch_fields()))
+    assert info.value.argument == "num_rejected"
+    # The counts were for that call only, and the refused call left nothing in flight.
+    outputs = []
+    for w in (worker, twin):
+        if w is twin:
+            w.begin_step(meta({"b": 3}))
+        w.capture_buffer[:1] = torch.from_numpy(routes(2, 3, 1))
+        pending = w.prepare_output(SimpleNamespace(**_batch_fields()))
+        pending.enqueue_cpu_copy(np.ones(1, np.int32), np.zeros(1, np.int32))
+        outputs.append(pending.process_output())
+    assert _same_outputs(*outputs)
+    assert _same_outputs(_second_step(worker), _second_step(twin))
+
+
 COUNT_CORRUPTIONS = [
     None,
     [1],
@@ -382,11 +417,8 @@ COUNT_CORRUPTIONS = [
 ]
 
 
-@SETTINGS
-@given(
-    which=st.sampled_from(["num_sampled", "num_rejected"]),
-    value=st.sampled_from(COUNT_CORRUPTIONS),
-)
+@pytest.mark.parametrize("which", ["num_sampled", "num_rejected"])
+@pytest.mark.parametrize("value", COUNT_CORRUPTIONS, ids=range(len(COUNT_CORRUPTIONS)))
 def test_malformed_host_counts_fail_the_step_like_any_failed_commit(which, value):
     """The counts are read (and so checked) by ``process_output`` on the output thread, not
     by ``enqueue_cpu_copy`` on the main thread: a malformed array fails its step there, named,
