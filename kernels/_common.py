@@ -184,11 +184,12 @@ def check_static_args(
 ) -> StaticArgs:
     """Validate what stays the same from step to step; raises ValueError naming the argument."""
     _check_tensor("capture", capture, 3, CAPTURE_DTYPES)
-    if not _inner_dense(capture, 0):
-        raise _fail("capture", "contiguous", capture)
     num_cap_rows, num_layers, top_k = capture.shape
+    # Before the layout: an empty tensor's strides say nothing about it.
     if num_layers == 0 or top_k == 0:
         raise _fail("capture", "non-empty in L and K", capture)
+    if not _inner_dense(capture, 0):
+        raise _fail("capture", "contiguous", capture)
     hash_block, num_slots, rows_layout = _check_dest(dest, capture, hash_block, num_slots)
 
     _check_tensor("table_row", table_row, 1, INDEX_DTYPES)

@@ -198,7 +198,44 @@ BAD_CALLS = {
     "num-rows-past-capture": (_replace("num_rows", lambda v: 10**6), "num_rows must be an int"),
     "num-rows-float": (_replace("num_rows", lambda v: 3.0), "num_rows must be an int"),
     "capture-not-tensor": (_replace("capture", lambda t: t.numpy()), "capture must be a torch"),
+    "capture-no-layers": (
+        _replace("capture", lambda t: torch.zeros(t.shape[0], 0, t.shape[2], dtype=t.dtype)),
+        "capture must be non-empty in L and K",
+    ),
+    "capture-no-experts": (
+        _replace("capture", lambda t: torch.zeros(t.shape[0], t.shape[1], 0, dtype=t.dtype)),
+        "capture must be non-empty in L and K",
+    ),
+    "table-row-other-device": (
+        _replace("table_row", lambda t: t.to(META)),
+        "table_row must be on the capture's device",
+    ),
+    "table-other-device": (
+        _replace("slot_table", lambda t: t.to(META)),
+        "slot_table must be on the capture's device",
+    ),
+    "window-other-device": (
+        _replace("block_window", lambda t: t.to(META)),
+        "block_window must be on the capture's device",
+    ),
+    # The kernel's per-request results written over rows it gathers from or writes to.
+    "info-in-dest": (
+        lambda args: args.update(step_info=_int32_rows_in(args["dest"], args["step_info"])),
+        "step_info must be memory apart from dest and capture",
+    ),
+    "info-in-capture": (
+        lambda args: args.update(step_info=_int32_rows_in(args["capture"], args["step_info"])),
+        "step_info must be memory apart from dest and capture",
+    ),
 }
+
+
+def _int32_rows_in(owner: torch.Tensor, step_info: torch.Tensor) -> torch.Tensor:
+    """A ``step_info``-shaped int32 tensor over the first bytes of ``owner``'s memory."""
+    nbytes = step_info.numel() * 4
+    return owner.reshape(-1).view(torch.uint8)[:nbytes].view(torch.int32).view(step_info.shape)
+
+
 ROWS_BAD_CALLS = {
     "rows-no-hash-block": (_replace("hash_block", lambda v: None), "hash_block must be an int"),
     "rows-float-num-slots": (_replace("num_slots", lambda v: 2.0), "num_slots must be an int"),
@@ -306,6 +343,14 @@ def test_prepared_launch_checks_only_per_step_arguments_and_matches_one_shot() -
         launch(qsl, positions, args["num_rejected"].float(), num_reqs=3)
     with pytest.raises(ValueError, match="query_start_loc must be 1-D"):
         launch(qsl[None], positions, num_reqs=3)
+    with pytest.raises(ValueError, match="query_start_loc must be a torch.Tensor"):
+        launch(qsl.numpy(), positions)  # without num_reqs, nothing to count it from
+    # Without num_reqs, every request query_start_loc holds: the same writes again.
+    args["dest"].copy_(built["args"]["dest"])
+    args["step_info"].copy_(built["args"]["step_info"])
+    launch(qsl, positions, args["num_rejected"], num_rows=args["num_rows"])
+    assert_same_bytes("prepared dest, all requests", args["dest"], built["expected_dest"])
+    assert_same_bytes("prepared step_info, all requests", args["step_info"], built["expected_info"])
 
 
 def test_triton_on_cpu_without_interpreter_is_a_clear_error(monkeypatch) -> None:
