@@ -7,8 +7,8 @@ from __future__ import annotations
 from r3capture.aux_output.key_work import KeyWorkQueue, StepKeyWork
 from r3capture.aux_output.publisher import Publisher
 from r3capture.aux_output.request_table import RequestTable
-from r3capture.aux_output.types import PackedBlockHashes
-from r3capture.store import BlockStore, rows_of_key_objects
+from r3capture.aux_output.types import PackedBlockHashes, key_rows_of
+from r3capture.store import BlockStore, key_objects, rows_of_key_objects
 
 BLOCK_SIZE = 4
 
@@ -59,7 +59,8 @@ def test_add_step_records_only_steps_with_key_work():
 
     store = BlockStore(max_bytes=64 * 8, object_nbytes=8, reserve_slots=16)
     table = RequestTable(ring_width=4)
-    queue = KeyWorkQueue(table, Publisher(store, table, BLOCK_SIZE))
+    publisher = Publisher(store, table, BLOCK_SIZE)
+    queue = KeyWorkQueue(table, publisher)
     row = table.add("a", 0)
 
     def step(**fields):
@@ -81,6 +82,40 @@ def test_add_step_records_only_steps_with_key_work():
     add(step(), finishing=["a"])
     assert queue._queued[-1].finishing == ["a"] and queue.tearing_down == {"a"}
     queue.apply_all()
-    assert queue._queued == [] and len(table) == 0
+    assert queue._queued == [] and len(table) == 0 and queue.tearing_down == set()
     add(step(), reset_releases=table.release_order([]))
     assert queue._queued == []  # applied, not queued
+    publisher.flush()
+    pinned = {pin_key(2): 1}  # a's own key went with its teardown
+    assert held(store) == pinned
+    # Released pins alone are key work too.
+    add(step(released_block_hashes=packed(2)))
+    assert queue._queued[-1].pins_released is not None and len(queue._queued) == 1
+    queue.apply_all()
+    publisher.flush()
+    assert held(store) == {}
+    # A reset with nothing else to do still releases its keys, at once.
+    add(step(retained_block_hashes=packed(3)))
+    queue.apply_all()
+    publisher.flush()
+    assert held(store) == {pin_key(3): 1}
+    add(step(), reset_releases=key_objects(key_rows_of(packed(3), 0)))
+    assert queue._queued == []
+    publisher.flush()
+    assert held(store) == {}
+    # Work recorded before a reset is applied before the reset's releases.
+    add(step(retained_block_hashes=packed(4)))
+    add(step(), reset_releases=key_objects(key_rows_of(packed(4), 0)))
+    assert queue._queued == []
+    publisher.flush()
+    assert held(store) == {}
+
+
+def pin_key(value: int) -> bytes:
+    """The store key of ``packed(value)`` in generation 0."""
+    return bytes(key_objects(key_rows_of(packed(value), 0))[0])
+
+
+def held(store: BlockStore) -> dict[bytes, int]:
+    """Every key the store holds references to, with their count."""
+    return {bytes(key): count for key, count in store._ledger._refs.items()}
