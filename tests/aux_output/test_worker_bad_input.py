@@ -359,17 +359,8 @@ def test_malformed_input_batch_is_named_and_changes_nothing(field, value):
         worker.prepare_output(SimpleNamespace(**fields))
     message = str(info.value)
     assert f"input_batch.{field}" in message or "input_batch has" in message, message
-    # The refused batch left nothing in flight: b's step runs as on the twin.
-    outputs = []
-    for w in (worker, twin):
-        if w is twin:
-            w.begin_step(meta({"b": 3}))
-        w.capture_buffer[:1] = torch.from_numpy(routes(2, 3, 1))
-        pending = w.prepare_output(SimpleNamespace(**_batch_fields()))
-        pending.enqueue_cpu_copy(np.ones(1, np.int32), np.zeros(1, np.int32))
-        outputs.append(pending.process_output())
-    assert _same_outputs(*outputs)
-    assert _same_outputs(_second_step(worker), _second_step(twin))
+    # The refused batch left nothing in flight.
+    _assert_b_runs_as_on_the_twin(worker, twin)
 
 
 # The step's device rejected counts (``set_step_num_rejected``, from the plugin, not from the
@@ -395,6 +386,12 @@ def test_malformed_device_rejected_counts_are_named_and_change_nothing(value):
         worker.prepare_output(SimpleNamespace(**_batch_fields()))
     assert info.value.argument == "num_rejected"
     # The counts were for that call only, and the refused call left nothing in flight.
+    _assert_b_runs_as_on_the_twin(worker, twin)
+
+
+def _assert_b_runs_as_on_the_twin(worker, twin) -> None:
+    """After a refused ``prepare_output`` of b's step on ``worker`` (whose ``begin_step`` ran),
+    b's step and the next one give the same outputs as on ``twin``, which never saw it."""
     outputs = []
     for w in (worker, twin):
         if w is twin:
