@@ -168,6 +168,10 @@ def test_materialize_refuses_rows_before_the_open_block_that_are_not_stored():
     message = r"range is unavailable: request=hit, range=\[4, 10\), available=\[8, 10\)"
     with pytest.raises(AuxOutputProtocolError, match=message):
         reader.materialize("hit", row, 0, 10)
+    # An empty range, even inside the open block, as vLLM's read refuses one.
+    message = r"range is unavailable: request=hit, range=\[9, 9\), available=\[8, 9\)"
+    with pytest.raises(AuxOutputProtocolError, match=message):
+        reader.materialize("hit", row, 9, 9)
 
 
 @pytest.mark.parametrize("seed", range(20))
