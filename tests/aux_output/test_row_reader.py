@@ -43,7 +43,7 @@ def _setup(rng: np.random.Generator, num_reqs: int, max_len: int, pool: OutputPo
     reader = RowReader(
         store, table, block_size=B, shape_per_token=(L, K), dtype=np.uint8, output_pool=pool
     )
-    # The commit's plan: every other request (at least one) returns rows this step.
+    # The commit's plan: about 70 % of the requests (at least one) return rows this step.
     direct = np.flatnonzero(rng.random(num_reqs) < 0.7)
     if direct.size == 0:
         direct = np.array([0])
@@ -61,11 +61,11 @@ def _setup(rng: np.random.Generator, num_reqs: int, max_len: int, pool: OutputPo
     return store, table, reader, layout, plan
 
 
-def _expected(store, table, rows, start: int, end: int) -> np.ndarray:
-    """Rows ``start .. end`` of table row ``rows``, looked up one position at a time."""
+def _expected(store, table, row, start: int, end: int) -> np.ndarray:
+    """Rows ``start .. end`` of table row ``row``, looked up one position at a time."""
     arena = store.arena_np.view(np.uint8).reshape(-1, L, K)
     return np.stack(
-        [arena[int(table.ring[rows, p // B % W]) * B + p % B] for p in range(start, end)]
+        [arena[int(table.ring[row, p // B % W]) * B + p % B] for p in range(start, end)]
     )
 
 
