@@ -4,6 +4,8 @@ back (publication, prefix-cache reads, the release at teardown) matches them by 
 
 from __future__ import annotations
 
+import numpy as np
+
 from r3capture.aux_output.key_work import KeyWorkQueue, StepKeyWork
 from r3capture.aux_output.publisher import Publisher
 from r3capture.aux_output.request_table import RequestTable
@@ -119,3 +121,21 @@ def pin_key(value: int) -> bytes:
 def held(store: BlockStore) -> dict[bytes, int]:
     """Every key the store holds references to, with their count."""
     return {bytes(key): count for key, count in store._ledger._refs.items()}
+
+
+def test_publication_binds_only_blocks_the_cursor_has_passed():
+    """Keys can arrive before a block's rows are all captured (a prompt is hashed whole):
+    only blocks both keyed and complete leave the request for the store."""
+    store = BlockStore(max_bytes=64 * 8, object_nbytes=8, reserve_slots=16)
+    table = RequestTable(ring_width=4)
+    publisher = Publisher(store, table, BLOCK_SIZE)
+    row = table.add("a", 0)
+    table.take_slots_per_request([row], [0], [2], store.allocate)
+    table.add_keys([row], key_objects(key_rows_of(packed(1, 2, 3), 0)), [3])
+    rows = np.array([row], np.int64)
+    for cursor, published in [(-1, 0), (3, 0), (5, 1), (7, 1), (8, 2), (12, 3)]:
+        table.cursor[row] = cursor
+        publisher.publish(rows)
+        publisher.flush()
+        assert table.base[row] == published, cursor
+        assert len(store) == published, cursor
