@@ -10,7 +10,7 @@ from r3capture.aux_output.key_work import KeyWorkQueue, StepKeyWork
 from r3capture.aux_output.publisher import Publisher
 from r3capture.aux_output.request_table import RequestTable
 from r3capture.aux_output.types import PackedBlockHashes, key_rows_of
-from r3capture.store import BlockStore, key_objects, rows_of_key_objects
+from r3capture.store import BlockStore, KeyObjects, key_objects, rows_of_key_objects
 
 BLOCK_SIZE = 4
 
@@ -101,21 +101,26 @@ def test_add_step_records_only_steps_with_key_work():
     queue.apply_all()
     publisher.flush()
     assert held(store) == {pin_key(3): 1}
-    add(step(), reset_releases=key_objects(key_rows_of(packed(3), 0)))
+    add(step(), reset_releases=generation_0_keys(3))
     assert queue._queued == []
     publisher.flush()
     assert held(store) == {}
     # Work recorded before a reset is applied before the reset's releases.
     add(step(retained_block_hashes=packed(4)))
-    add(step(), reset_releases=key_objects(key_rows_of(packed(4), 0)))
+    add(step(), reset_releases=generation_0_keys(4))
     assert queue._queued == []
     publisher.flush()
     assert held(store) == {}
 
 
+def generation_0_keys(*values: int) -> KeyObjects:
+    """The store keys of ``packed(*values)`` in generation 0."""
+    return key_objects(key_rows_of(packed(*values), 0))
+
+
 def pin_key(value: int) -> bytes:
     """The store key of ``packed(value)`` in generation 0."""
-    return bytes(key_objects(key_rows_of(packed(value), 0))[0])
+    return bytes(generation_0_keys(value)[0])
 
 
 def held(store: BlockStore) -> dict[bytes, int]:
@@ -131,7 +136,7 @@ def test_publication_binds_only_blocks_the_cursor_has_passed():
     publisher = Publisher(store, table, BLOCK_SIZE)
     row = table.add("a", 0)
     table.take_slots_per_request([row], [0], [2], store.allocate)
-    table.add_keys([row], key_objects(key_rows_of(packed(1, 2, 3), 0)), [3])
+    table.add_keys([row], generation_0_keys(1, 2, 3), [3])
     rows = np.array([row], np.int64)
     for cursor, published in [(-1, 0), (3, 0), (5, 1), (7, 1), (8, 2), (12, 3)]:
         table.cursor[row] = cursor

@@ -23,10 +23,23 @@ B, L, K, W = 4, 2, 3, 6  # hash block, layers, top-k, ring width (blocks)
 ROW_NBYTES = L * K
 
 
+def _store() -> BlockStore:
+    """A store of ``B``-row blocks with room for every test's slots."""
+    return BlockStore(max_bytes=1 << 16, object_nbytes=B * ROW_NBYTES, reserve_slots=256)
+
+
+def _reader(store: BlockStore, table: RequestTable, pool: OutputPool | None = None) -> RowReader:
+    """A reader of uint8 rows ``[L, K]``; without a pool, outputs are plain arrays."""
+    pool = OutputPool(max_bytes=0) if pool is None else pool
+    return RowReader(
+        store, table, block_size=B, shape_per_token=(L, K), dtype=np.uint8, output_pool=pool
+    )
+
+
 def _setup(rng: np.random.Generator, num_reqs: int, max_len: int, pool: OutputPool):
     """A store with random arena bytes, and ``num_reqs`` requests holding slots for rows
     ``emit_start .. token_end`` (some emit nothing this step)."""
-    store = BlockStore(max_bytes=1 << 16, object_nbytes=B * ROW_NBYTES, reserve_slots=256)
+    store = _store()
     table = RequestTable(ring_width=W, capacity=2)
     ids = [f"r{i}" for i in range(num_reqs)]
     rows = table.add_many(ids, [0] * num_reqs)
@@ -40,9 +53,7 @@ def _setup(rng: np.random.Generator, num_reqs: int, max_len: int, pool: OutputPo
         store.allocate,
     )
     store.arena_np[:] = rng.integers(0, 256, store.arena_np.shape, dtype=np.uint8)
-    reader = RowReader(
-        store, table, block_size=B, shape_per_token=(L, K), dtype=np.uint8, output_pool=pool
-    )
+    reader = _reader(store, table, pool)
     # The commit's plan: about 70 % of the requests (at least one) return rows this step.
     direct = np.flatnonzero(rng.random(num_reqs) < 0.7)
     if direct.size == 0:
@@ -104,7 +115,7 @@ def test_emit_without_emitting_requests_returns_nothing():
 def _hit(rng: np.random.Generator, stored_blocks: int, open_rows: int):
     """A request whose first ``stored_blocks`` blocks are in the store (bound to its keys,
     retained) and whose next rows (``open_rows`` of them) lie in its own unbound slots."""
-    store = BlockStore(max_bytes=1 << 16, object_nbytes=B * ROW_NBYTES, reserve_slots=64)
+    store = _store()
     table = RequestTable(ring_width=W)
     row = table.add("hit", 0)
     stored = store.allocate(stored_blocks)
@@ -117,10 +128,7 @@ def _hit(rng: np.random.Generator, stored_blocks: int, open_rows: int):
     end = stored_blocks * B + open_rows
     if open_rows:
         table.take_slots_per_request([row], [stored_blocks], [(end - 1) // B], store.allocate)
-    pool = OutputPool(max_bytes=0)
-    reader = RowReader(
-        store, table, block_size=B, shape_per_token=(L, K), dtype=np.uint8, output_pool=pool
-    )
+    reader = _reader(store, table)
     arena = store.arena_np.view(np.uint8).reshape(-1, L, K)
     expected = [arena[int(stored[p // B]) * B + p % B] for p in range(stored_blocks * B)]
     expected += [
@@ -181,7 +189,7 @@ def test_place_staged_scatters_each_accepted_row_into_its_slot(seed):
     failed request's (status != 0) or a request without accepted rows' go nowhere."""
     rng = np.random.default_rng(seed)
     num_reqs = int(rng.integers(1, 8))
-    store = BlockStore(max_bytes=1 << 16, object_nbytes=B * ROW_NBYTES, reserve_slots=256)
+    store = _store()
     table = RequestTable(ring_width=W)
     rows = table.add_many([f"r{i}" for i in range(num_reqs)], [0] * num_reqs)
     scheduled = rng.integers(1, 9, num_reqs)
@@ -198,11 +206,7 @@ def test_place_staged_scatters_each_accepted_row_into_its_slot(seed):
     step_info = np.stack([starts, accepted, status], axis=1).astype(np.int32)
     staged = rng.integers(0, 256, (int(qsl[-1]), L, K), dtype=np.uint8)
     before = store.arena_np.copy()
-    reader = RowReader(
-        store, table, block_size=B, shape_per_token=(L, K), dtype=np.uint8,
-        output_pool=OutputPool(max_bytes=0),
-    )  # fmt: skip
-    reader.place_staged(StepLayout([], rows, starts, qsl), step_info, staged)
+    _reader(store, table).place_staged(StepLayout([], rows, starts, qsl), step_info, staged)
 
     expected = before.view(np.uint8).reshape(-1, L, K).copy()
     for i in range(num_reqs):
