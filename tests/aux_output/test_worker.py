@@ -245,6 +245,42 @@ def test_prefix_hit_materializes_from_the_store():
     worker.close()
 
 
+def key_of(generation: int, seed: int, block: int) -> str:
+    """vLLM's key string of block ``block`` of ``hashes(seed, ...)`` in ``generation``."""
+    return f"vllm-artifact/{generation}/{(bytes([seed, block]) * 4).hex()}"
+
+
+def test_a_prefix_cache_reset_drops_every_request_and_starts_a_new_key_namespace():
+    """As vLLM's worker does on a generation bump: every request is dropped (a live one too)
+    and its keys released, key work recorded before the bump is applied before it, and the
+    same hashes name new keys, whose hits return the new generation's rows."""
+    worker = make_worker()
+    first = meta({"a": 0, "x": 0}, {"a": hashes(1, range(2)), "x": hashes(3, range(1))})
+    run_step(worker, first, [("a", 1, 0, 9), ("x", 3, 0, 5)])
+    old_keys = [key_of(0, 1, 0), key_of(0, 1, 1), key_of(0, 3, 0)]
+    assert [worker.store.ref_count(key) for key in old_keys] == [1, 1, 1]
+    # a's teardown is recorded with no commit after it; x is still live at the bump.
+    worker.begin_step(meta({}, finished=["a"]))
+    out = run_step(
+        worker, meta({"b": 0}, {"b": hashes(1, range(2))}, generation=1), [("b", 2, 0, 8)]
+    )
+    assert np.array_equal(out["b"].rows, routes(2, 0, 8).astype(np.uint8))
+    assert worker.num_active_requests() == 1
+    assert [worker.store.ref_count(key) for key in old_keys] == [0, 0, 0]
+    assert [worker.store.ref_count(key_of(1, 1, b)) for b in range(2)] == [1, 1]
+    # Slots held now are b's alone: those of a worker that only ever ran b's step.
+    alone = make_worker()
+    run_step(alone, meta({"b": 0}, {"b": hashes(1, range(2))}), [("b", 2, 0, 8)])
+    assert worker.store.num_unbound == alone.store.num_unbound
+    # A hit on the same hashes in the new generation reads b's blocks, not a's.
+    hit = meta({"c": 0}, {"c": hashes(1, range(3))}, generation=1)
+    out = run_step(worker, hit, [("c", 4, 8, 2)])
+    expected = np.concatenate([routes(2, 0, 8), routes(4, 8, 2)]).astype(np.uint8)
+    assert np.array_equal(out["c"].rows, expected)
+    worker.close()
+    alone.close()
+
+
 def test_evicted_prefix_fails_closed_naming_max_bytes():
     from r3capture.store import BlockObjectStoreError
 
