@@ -305,6 +305,34 @@ def test_block_hashes_of_a_request_a_reset_clears_are_refused_before_anything_ch
     assert _same_outputs(_second_step(worker), _second_step(twin))
 
 
+@pytest.mark.parametrize("field", ["finished_requests", "block_hashes"])
+def test_a_request_whose_teardown_is_recorded_is_unknown(field):
+    """b finishes with no step in flight: as in vLLM, whose teardown is immediate, b is gone
+    although its teardown waits for the output thread. A later step naming b again is a
+    KeyError naming the field, raised before anything changes."""
+    worker, twin = make_worker(), make_worker()
+    assert _same_outputs(_first_step(worker), _first_step(twin))
+    for w in (worker, twin):
+        w.begin_step(meta({}, finished=["b"]))
+    again = meta({}, finished=["b"]) if field == "finished_requests" else meta({}, {"b": PACKED_OK})
+    with pytest.raises(KeyError, match=f"metadata.{field} names unknown request 'b'"):
+        worker.begin_step(again)
+    assert _same_outputs(_second_step(worker), _second_step(twin))
+
+
+def test_a_batch_naming_a_request_whose_teardown_is_recorded_is_refused():
+    """As in vLLM, whose finished request has no state left: the batch's ``req_ids`` may not
+    name b once its teardown is recorded (a KeyError naming b, nothing in flight)."""
+    worker, twin = make_worker(), make_worker()
+    assert _same_outputs(_first_step(worker), _first_step(twin))
+    for w in (worker, twin):
+        w.begin_step(meta({}, finished=["b"]))
+        w.begin_step(meta({"a": 6}))
+    with pytest.raises(KeyError, match="'b'"):
+        worker.prepare_output(SimpleNamespace(**_batch_fields()))
+    assert _same_outputs(_second_step(worker), _second_step(twin))
+
+
 def _batch_fields():
     return dict(
         req_ids=["b"],
