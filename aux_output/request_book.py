@@ -214,8 +214,6 @@ class RequestBook:
         """Check the batch's device inputs (``query_start_loc`` ``[>= R+1]``, ``positions``
         ``[>= num_rows]``, 1-D, on the device), give the step's requests the slots they need
         and launch the kernel. A refused input changes nothing."""
-        if self._detached:
-            self._attach()
         num_rows = int(layout.query_start_loc[-1])
         device_inputs = (None, None, None)
         if layout.request_ids:
@@ -227,8 +225,9 @@ class RequestBook:
         shape = self._checked_shape(layout, device_inputs, num_rows)
         ring_updates = self._slots.take_slots(layout)
         if self._detached:
-            # Taking slots grew the store: new launches for the new arena, and the step's
-            # shape from them (it carries the slot count the reference kernel checks).
+            # begin_step grew the request table (a new ring array) or taking slots grew the
+            # store (a new arena): new launches, and the step's shape from them (it carries
+            # the slot count the reference kernel checks). Attached once, after both.
             self._attach()
             shape = self._checked_shape(layout, device_inputs, num_rows)
         query_start_loc, positions, num_rejected = device_inputs
