@@ -173,6 +173,19 @@ def test_a_step_without_requests_uploads_nothing(monkeypatch):
     worker.close()
 
 
+def test_a_step_without_requests_applies_its_key_work_and_counts_no_rows():
+    """A finish-only step: its process_output releases the finished request's keys (vLLM
+    releases them in that step too), and the step is counted with no rows moved."""
+    worker = make_worker()
+    run_step(worker, meta({"a": 0}, {"a": hashes(1, range(2))}), [("a", 1, 0, 8)])
+    assert [worker.store.ref_count(key_of(0, 1, b)) for b in range(2)] == [1, 1]
+    before = dict(worker.transfer_stats)
+    assert run_step(worker, meta({}, finished=["a"]), []) == {}
+    assert [worker.store.ref_count(key_of(0, 1, b)) for b in range(2)] == [0, 0]
+    assert worker.transfer_stats == {**before, "steps": before["steps"] + 1}
+    worker.close()
+
+
 def test_emitted_rows_do_not_alias_reused_slots():
     worker = make_worker(max_bytes=B * ROW_BYTES * 2)
     out = run_step(worker, meta({"a": 0}, {"a": hashes(1, range(1))}), [("a", 1, 0, 4)])
