@@ -68,6 +68,12 @@ def run_step(worker, metadata, batch, rejected=None, sampled=None, padding=0):
     """One synchronous step: rows of ``batch`` = [(req_id, seed, token_start, count)].
     ``padding``: entries past the batch's requests in the host arrays (vLLM reads only the
     first ``num_reqs``), filled with values no request has."""
+    return finish_step(start_step(worker, metadata, batch, rejected, padding), sampled)
+
+
+def start_step(worker, metadata, batch, rejected=None, padding=0):
+    """``begin_step`` and ``prepare_output`` of ``run_step``'s step; returns its
+    ``PendingStep`` and host rejected counts, for ``finish_step``."""
     worker.begin_step(metadata)
     qsl = np.full(len(batch) + 1 + padding, 10**6, np.int32)
     qsl[0] = 0
@@ -87,7 +93,13 @@ def run_step(worker, metadata, batch, rejected=None, sampled=None, padding=0):
     rejected = np.zeros(n, np.int32) if rejected is None else np.asarray(rejected, np.int32)
     # What the plugin does: the step's device rejected counts reach the kernel.
     worker.set_step_num_rejected(torch.from_numpy(rejected))
-    pending = worker.prepare_output(batch_of(**fields))
+    return worker.prepare_output(batch_of(**fields)), rejected
+
+
+def finish_step(started, sampled=None):
+    """The copy and ``process_output`` of the step ``start_step`` launched."""
+    pending, rejected = started
+    n = len(rejected)
     sampled = np.ones(n, np.int32) if sampled is None else np.asarray(sampled, np.int32)
     pending.enqueue_cpu_copy(num_sampled=sampled, num_rejected=rejected)
     return pending.process_output()
@@ -170,6 +182,45 @@ def test_a_step_without_requests_uploads_nothing(monkeypatch):
     out = run_step(worker, meta({"a": 3}), [("a", 1, 3, 1)])
     assert np.array_equal(out["a"].rows, routes(1, 3, 1).astype(np.uint8))
     assert len(uploads) == 2  # looked up afresh after the empty step, so sent again
+    worker.close()
+
+
+@pytest.mark.parametrize("step_fails", [False, True])
+def test_a_request_finishing_with_a_step_in_flight_is_torn_down_by_that_step(step_fails):
+    """Two steps in flight (async scheduling); a finishes while its second step is in
+    flight. As in vLLM, a keeps its state and its keys until that step is processed, which
+    returns its row and then tears it down (keys released, slots freed); b is untouched.
+    A step whose commit fails tears nothing down, as in vLLM (a stays tracked)."""
+    worker = make_worker()
+    run_step(
+        worker,
+        meta({"a": 0, "b": 0}, {"a": hashes(1, range(2))}),
+        [("a", 1, 0, 8), ("b", 2, 0, 3)],
+    )
+    first = start_step(worker, meta({"a": 8, "b": 3}), [("a", 1, 8, 1), ("b", 2, 3, 1)])
+    second = start_step(worker, meta({"a": 9, "b": 4}), [("a", 1, 9, 1), ("b", 2, 4, 1)])
+    finish_step(first)
+    worker.begin_step(meta({}, finished=["a"]))
+    a_keys = [key_of(0, 1, b) for b in range(2)]
+    assert worker.num_active_requests() == 2
+    assert [worker.store.ref_count(key) for key in a_keys] == [1, 1]
+    if step_fails:
+        pending, _ = second
+        with pytest.raises(AuxOutputProtocolError, match="rejected-token count"):
+            finish_step((pending, np.array([2, 0], np.int32)))  # 2 of a's 1 row rejected
+        assert worker.num_active_requests() == 2
+        assert [worker.store.ref_count(key) for key in a_keys] == [1, 1]
+        return
+    out = finish_step(second)
+    assert np.array_equal(out["a"].rows, routes(1, 9, 1).astype(np.uint8))
+    assert np.array_equal(out["b"].rows, routes(2, 4, 1).astype(np.uint8))
+    assert worker.num_active_requests() == 1
+    assert [worker.store.ref_count(key) for key in a_keys] == [0, 0]
+    # b's rows go on where they were; once b is gone too, no slot is left out of the store.
+    out = run_step(worker, meta({"b": 5}), [("b", 2, 5, 1)])
+    assert np.array_equal(out["b"].rows, routes(2, 5, 1).astype(np.uint8))
+    assert run_step(worker, meta({}, finished=["b"]), []) == {}
+    assert worker.num_active_requests() == 0 and worker.store.num_unbound == 0
     worker.close()
 
 
