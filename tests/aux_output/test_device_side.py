@@ -14,37 +14,55 @@ from r3capture.aux_output.errors import AuxOutputProtocolError
 L, K, B = 2, 2, 4
 
 
-def _device_side(max_updates: int) -> DeviceSide:
+def _make_side(*, max_num_seqs=2, max_updates=8, depth=1, destination="direct", capture=None):
+    """A DeviceSide (reference kernel) with a ring of four table rows two blocks wide (slot
+    columns, then each row's block window) on an eight-slot arena, returned with it."""
     side = DeviceSide(
-        capture_buffer=torch.zeros((8, L, K), dtype=torch.int32),
+        capture_buffer=torch.zeros((8, L, K), dtype=torch.int32) if capture is None else capture,
         dtype=np.dtype(np.uint8),
         block_size=B,
-        max_num_seqs=2,
+        max_num_seqs=max_num_seqs,
         max_updates=max_updates,
-        depth=1,
-        destination="direct",
+        depth=depth,
+        destination=destination,
         kernel_impl="reference",
     )
-    # Three table rows of a device ring two blocks wide (slots, then the block window).
-    side.attach(np.full((3, 2 + 2), -1, np.int32), torch.zeros((4, B, L, K), dtype=torch.uint8))
-    return side
+    arena = torch.zeros((8, B, L, K), dtype=torch.uint8)
+    side.attach(np.full((4, 2 + 2), -1, np.int32), arena)
+    return side, arena
 
 
 def _upload(side: DeviceSide, flat: list[int], values: list[int]) -> None:
     """A step without requests whose only device work is the ring entries' upload."""
-    side.launch(
+    _launch(side, (np.array(flat, np.int64), np.array(values, np.int64)))
+
+
+def _launch(side: DeviceSide, ring_updates=None, rejected: list[int] | None = None):
+    """Launch a step without requests or, given host ``rejected`` counts, the two-request
+    step ``STEP_*``; returns its ``LaunchedStep``."""
+    inputs = dict(
         table_row=np.empty(0, np.int64),
-        ring_updates=(np.array(flat, np.int64), np.array(values, np.int64)),
         shape=None,
         query_start_loc=None,
         positions=None,
         num_rejected=None,
         num_rows=0,
     )
+    if rejected is not None:
+        num_rejected = torch.tensor(rejected)
+        inputs = dict(
+            table_row=STEP_ROWS,
+            shape=side.check_step(STEP_QSL, STEP_POSITIONS, num_rejected, num_reqs=2, num_rows=5),
+            query_start_loc=STEP_QSL,
+            positions=STEP_POSITIONS,
+            num_rejected=num_rejected,
+            num_rows=5,
+        )
+    return side.launch(ring_updates=ring_updates, **inputs)
 
 
 def test_an_upload_of_as_many_ring_entries_as_sized_for_is_applied():
-    side = _device_side(max_updates=2)
+    side, _ = _make_side(max_updates=2)
     _upload(side, [0, 5], [3, 1])
     # Flat entries 0 and 5: row 0's first slot column, row 1's second.
     assert side._ring_flat[[0, 5]].tolist() == [3, 1]
@@ -56,17 +74,7 @@ def test_every_upload_size_reaches_the_device_whole(max_num_seqs, max_updates):
     used length (``max_num_seqs + 2 n``: both parities, every power-of-two boundary, a
     buffer of 18 entries and one of 15, one short of a power of two), none of its entries
     is cut off."""
-    side = DeviceSide(
-        capture_buffer=torch.zeros((8, L, K), dtype=torch.int32),
-        dtype=np.dtype(np.uint8),
-        block_size=B,
-        max_num_seqs=max_num_seqs,
-        max_updates=max_updates,
-        depth=1,
-        destination="direct",
-        kernel_impl="reference",
-    )
-    side.attach(np.full((4, 2 + 2), -1, np.int32), torch.zeros((4, B, L, K), dtype=torch.uint8))
+    side, _ = _make_side(max_num_seqs=max_num_seqs, max_updates=max_updates)
     for n in range(1, max_updates + 1):
         flat = list(range(16 - n, 16))
         values = [100 * n + i for i in range(n)]  # never left in the buffer by an earlier one
@@ -75,7 +83,7 @@ def test_every_upload_size_reaches_the_device_whole(max_num_seqs, max_updates):
 
 
 def test_more_ring_entries_than_sized_for_are_refused():
-    side = _device_side(max_updates=2)
+    side, _ = _make_side(max_updates=2)
     with pytest.raises(OverflowError, match="3 slot-ring updates exceed 2"):
         _upload(side, [0, 1, 5], [3, 2, 1])
 
@@ -97,42 +105,11 @@ def _capture(seed: int) -> torch.Tensor:
     return (torch.arange(8 * L * K, dtype=torch.int32).reshape(8, L, K) * 3 + seed) % 251
 
 
-def _stepping_side(destination: str) -> tuple[DeviceSide, torch.Tensor]:
-    """A depth-2 DeviceSide on an eight-slot arena (returned), nothing uploaded yet."""
-    side = DeviceSide(
-        capture_buffer=_capture(0),
-        dtype=np.dtype(np.uint8),
-        block_size=B,
-        max_num_seqs=2,
-        max_updates=8,
-        depth=2,
-        destination=destination,
-        kernel_impl="reference",
-    )
-    arena = torch.zeros((8, B, L, K), dtype=torch.uint8)
-    side.attach(np.full((3, 2 + 2), -1, np.int32), arena)
-    return side, arena
-
-
-def _launch_step(side: DeviceSide, rejected: list[int], ring_updates=STEP_RING):
-    num_rejected = torch.tensor(rejected)
-    shape = side.check_step(STEP_QSL, STEP_POSITIONS, num_rejected, num_reqs=2, num_rows=5)
-    return side.launch(
-        table_row=STEP_ROWS,
-        ring_updates=ring_updates,
-        shape=shape,
-        query_start_loc=STEP_QSL,
-        positions=STEP_POSITIONS,
-        num_rejected=num_rejected,
-        num_rows=5,
-    )
-
-
 @pytest.mark.parametrize("destination", ["direct", "staging"])
 def test_a_step_places_its_accepted_rows_and_reports_them(destination):
-    side, arena = _stepping_side(destination)
+    side, arena = _make_side(depth=2, destination=destination, capture=_capture(0))
     capture = side.capture_buffer.to(torch.uint8)
-    step = _launch_step(side, rejected=[1, 0])
+    step = _launch(side, STEP_RING, rejected=[1, 0])
     side.copy_back(step)
     info, staged = side.host_results(step)
     # (start, rows written, status) per request: 2 of 3 rows accepted, then 2 of 2.
@@ -153,10 +130,10 @@ def test_a_step_places_its_accepted_rows_and_reports_them(destination):
 
 
 def test_each_step_in_flight_keeps_its_own_results():
-    side, _ = _stepping_side("staging")
-    first = _launch_step(side, rejected=[1, 0])
+    side, _ = _make_side(depth=2, destination="staging", capture=_capture(0))
+    first = _launch(side, STEP_RING, rejected=[1, 0])
     side.capture_buffer.copy_(_capture(7))
-    second = _launch_step(side, rejected=[0, 2], ring_updates=None)
+    second = _launch(side, rejected=[0, 2])
     side.copy_back(first)
     side.copy_back(second)
     assert first.ring_index != second.ring_index
@@ -167,23 +144,15 @@ def test_each_step_in_flight_keeps_its_own_results():
     assert np.array_equal(first_rows[[0, 1]], _capture(0)[[0, 1]].to(torch.uint8).numpy())
     assert np.array_equal(second_rows[:3], _capture(7)[:3].to(torch.uint8).numpy())
     # The third launch reuses the first one's buffers: its results are read by then.
-    assert _launch_step(side, rejected=[0, 0], ring_updates=None).ring_index == first.ring_index
+    assert _launch(side, rejected=[0, 0]).ring_index == first.ring_index
 
 
 def test_results_are_read_only_after_their_copy_back():
-    side, _ = _stepping_side("direct")
-    step = _launch_step(side, rejected=[0, 0])
+    side, _ = _make_side(depth=2, capture=_capture(0))
+    step = _launch(side, STEP_RING, rejected=[0, 0])
     with pytest.raises(AuxOutputProtocolError, match="CPU copy was not enqueued"):
         side.host_results(step)
-    empty = side.launch(
-        table_row=np.empty(0, np.int64),
-        ring_updates=None,
-        shape=None,
-        query_start_loc=None,
-        positions=None,
-        num_rejected=None,
-        num_rows=0,
-    )
+    empty = _launch(side)
     side.copy_back(empty)  # nothing to copy for a step without requests
     assert not empty.copied
     side.count_transfer(empty, rows_written=0)
