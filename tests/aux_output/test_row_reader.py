@@ -1,9 +1,11 @@
-"""RowReader.emit on its own: every emitting request's rows, read through the slot ring.
+"""RowReader on its own: emit, materialize and place_staged against per-position lookups.
 
-Both ways of working out the arena rows (over Python ints for a few short emits, with
-vector operations otherwise) and both ways of gathering them (numpy's take for small
+``emit``: both ways of working out the arena rows (over Python ints for a few short emits,
+with vector operations otherwise) and both ways of gathering them (numpy's take for small
 outputs, the pool's buffers for large ones) must give each request exactly its rows
 ``emit_start .. token_end``, in order, whatever the counts and wherever the ring wraps.
+``materialize``: a prefix hit's stored blocks, then its open block, and vLLM's refusals.
+``place_staged``: each accepted staged row lands in its ring slot, and no other.
 """
 
 from __future__ import annotations
@@ -131,9 +133,8 @@ def _hit(rng: np.random.Generator, stored_blocks: int, open_rows: int):
     reader = _reader(store, table)
     arena = store.arena_np.view(np.uint8).reshape(-1, L, K)
     expected = [arena[int(stored[p // B]) * B + p % B] for p in range(stored_blocks * B)]
-    expected += [
-        arena[int(table.ring[row, p // B % W]) * B + p % B] for p in range(stored_blocks * B, end)
-    ]
+    if open_rows:
+        expected += list(_expected(store, table, row, stored_blocks * B, end))
     return reader, row, np.stack(expected) if expected else None
 
 
@@ -224,9 +225,8 @@ def test_materialize_reads_only_stored_blocks_before_the_rows_end():
     reader, row, expected = _hit(rng, 3, 0)  # keys and stored rows for blocks 0..2
     table, store = reader._table, reader._store
     table.take_slots_per_request([row], [1], [1], store.allocate)  # block 1 open, own slot
-    arena = store.arena_np.view(np.uint8).reshape(-1, L, K)
-    open_rows = [arena[int(table.ring[row, 1]) * B + p % B] for p in range(4, 6)]
-    assert not np.array_equal(np.stack(open_rows), expected[4:6])  # tells the two apart
+    open_rows = _expected(store, table, row, 4, 6)
+    assert not np.array_equal(open_rows, expected[4:6])  # tells the two apart
     for emit_start in (0, 2):
         out = reader.materialize("hit", row, emit_start, 6)
         assert np.array_equal(out, np.concatenate((expected[emit_start:4], open_rows)))

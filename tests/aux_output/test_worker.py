@@ -39,6 +39,11 @@ def hashes(seed: int, blocks: range) -> PackedBlockHashes:
     return PackedBlockHashes(b"".join(bytes([seed, b]) * 4 for b in blocks), 8)
 
 
+def key_of(generation: int, seed: int, block: int) -> str:
+    """vLLM's key string of block ``block`` of ``hashes(seed, ...)`` in ``generation``."""
+    return f"vllm-artifact/{generation}/{(bytes([seed, block]) * 4).hex()}"
+
+
 SIZES = dict(
     shape_per_token=(L, K),
     dtype="uint8",
@@ -127,7 +132,7 @@ def test_prefill_then_speculative_decode(destination):
     else:
         # The staging copy moves every scheduled row.
         assert worker.transfer_stats == {"steps": 2, "rows": 14, "bytes": 14 * ROW_BYTES}
-    stored = worker.store.get_array([f"vllm-artifact/0/{(bytes([1, 1]) * 4).hex()}"])
+    stored = worker.store.get_array([key_of(0, 1, 1)])
     assert stored.tobytes() == routes(1, 4, 4).astype(np.uint8).tobytes()
     worker.close()
 
@@ -252,7 +257,7 @@ def test_emitted_rows_do_not_alias_reused_slots():
             [(f"r{seed}", seed, 0, 4)],
         )
         assert not np.shares_memory(out[f"r{seed}"].rows, worker.store.arena_np)
-    assert f"vllm-artifact/0/{(bytes([1, 0]) * 4).hex()}" not in worker.store
+    assert key_of(0, 1, 0) not in worker.store
     assert np.array_equal(first, snapshot)
     worker.close()
 
@@ -307,11 +312,6 @@ def test_prefix_hit_materializes_from_the_store():
     assert out["b"].token_start == 0
     assert np.array_equal(out["b"].rows, routes(1, 0, 13).astype(np.uint8))
     worker.close()
-
-
-def key_of(generation: int, seed: int, block: int) -> str:
-    """vLLM's key string of block ``block`` of ``hashes(seed, ...)`` in ``generation``."""
-    return f"vllm-artifact/{generation}/{(bytes([seed, block]) * 4).hex()}"
 
 
 def test_a_prefix_cache_reset_drops_every_request_and_starts_a_new_key_namespace():
