@@ -308,6 +308,7 @@ class BlockStore:
     @property
     def arena_version(self) -> int:
         """Incremented every time ``arena`` is replaced."""
+        self._check_open()
         return self._space.version
 
     @property

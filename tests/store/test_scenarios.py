@@ -217,7 +217,10 @@ def test_growth_when_every_object_is_referenced(caplog):
     assert calls == [(0, old_arena)]  # on_grow ran before the old arena was replaced
     assert store.arena_version == 1 and store.arena is not old_arena
     assert store.num_slots == 4 and tuple(store.arena.shape) == (4, NB)
-    assert any("grows from 2 to 4 objects" in r.getMessage() for r in caplog.records)
+    # The new size in objects and bytes (4 x NB), and why.
+    messages = [r.getMessage() for r in caplog.records]
+    assert any("grows from 2 to 4 objects (16 bytes)" in m for m in messages), messages
+    assert any("every object is referenced" in m for m in messages), messages
     assert store.get_concatenated(Ks("abc")) == blk("a") + blk("b") + blk("c")
     assert store.peek_slot(K("c")) == 2
     # the grown capacity is the new bound: two more fit, then LRU eviction resumes
@@ -545,7 +548,7 @@ def test_bind_growth_calls_on_grow_and_keeps_all_bytes():
     assert store.get_concatenated(Ks("d")) == blk("d") and store.num_unbound == 0
 
 
-def test_reserve_growth_calls_on_grow_and_keeps_every_slot():
+def test_reserve_growth_calls_on_grow_and_keeps_every_slot(caplog):
     events = []
     store = make(capacity=2, reserve=2, on_grow=lambda: events.append(store.arena_version))
     put(store, "ab")
@@ -557,7 +560,10 @@ def test_reserve_growth_calls_on_grow_and_keeps_every_slot():
         with pytest.raises(error, match="extra"):
             store.grow_reserve(bad)
     assert events == [] and store.arena_version == 0  # refused calls changed nothing
-    store.grow_reserve(3)
+    with caplog.at_level(logging.WARNING, logger=block_store.__name__):
+        store.grow_reserve(3)
+    messages = [r.getMessage() for r in caplog.records]
+    assert any("reserve grows from 2 to 5 slots (20 bytes)" in m for m in messages), messages
     assert events == [0] and store.arena_version == 1
     assert store.reserve_slots == 5 and store.num_slots == 2
     assert tuple(store.arena.shape) == (2 + 5, NB)
@@ -568,6 +574,17 @@ def test_reserve_growth_calls_on_grow_and_keeps_every_slot():
     assert len(set(more.tolist()) | set(slots.tolist())) == 5
     store.bind(Ks("cd"), slots)
     assert store.eviction_order()[-2:] == Ks("cd") and len(store) == 2
+
+
+def test_a_store_of_one_one_byte_object_without_a_reserve():
+    """The smallest valid sizes; a store built without ``reserve_slots`` has no reserve."""
+    store = BlockStore(max_bytes=1, object_nbytes=1)
+    assert (store.num_slots, store.reserve_slots, tuple(store.arena.shape)) == (1, 0, (1, 1))
+    with pytest.raises(RuntimeError, match="reserve of reserve_slots=0 slots is exhausted"):
+        store.allocate(1)
+    store.put_array(Ks("a"), np.frombuffer(b"a", np.uint8).reshape(1, 1))
+    store.put_array(Ks("b"), np.frombuffer(b"b", np.uint8).reshape(1, 1))  # evicts a
+    assert store.get_concatenated(Ks("b")) == b"b" and K("a") not in store
 
 
 def test_failed_growth_fails_closed():
@@ -605,6 +622,9 @@ CLOSED_CALLS = {
     "len": len,
     "arena": lambda s: s.arena,
     "arena_np": lambda s: s.arena_np,
+    "arena_version": lambda s: s.arena_version,
+    "gather_into": lambda s: s.gather_into(np.empty(0, np.int64), np.empty((0, NB), np.uint8)),
+    "grow_reserve": lambda s: s.grow_reserve(1),
     "num_unbound": lambda s: s.num_unbound,
     "ref_count": lambda s: s.ref_count(K("a")),
     "eviction_order": lambda s: s.eviction_order(),
