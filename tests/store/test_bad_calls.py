@@ -106,6 +106,8 @@ MALFORMED_CALLS = {
     "bind-negative-slot": ("slot", lambda s: s.bind(KEYS[:1], np.array([-1]))),
     "bind-count-mismatch": ("slots", lambda s: s.bind(KEYS[:2], np.zeros(0, np.int64))),
     "bind-float-slots": ("slot", lambda s: s.bind(KEYS[:1], np.array([0.5]))),
+    "bind-2d-slots": ("1-D integer array", lambda s: s.bind(KEYS[:2], np.zeros((1, 2), np.int64))),
+    "free-scalar-slot": ("1-D integer array", lambda s: s.free(np.int64(0))),
     "free-unallocated": ("slot", lambda s: s.free(np.array([CAPACITY + RESERVE + 3]))),
 }
 
