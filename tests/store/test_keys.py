@@ -66,9 +66,9 @@ def test_empty_inputs():
 
 def test_mixed_generations_and_lengths_parse_key_by_key():
     digests = [b"\xab", b"\x01\x02", bytes(32), b"\xff" * 16]
-    keys = [vllm_key(g, d) for g, d in zip([9, 10, 0, 12], digests)]
+    keys = [vllm_key(g, d) for g, d in zip([9, 10, 0, MAX_GENERATION], digests)]
     # Same length as a neighbour, different generation: the batch path must not merge them.
-    keys += [vllm_key(10, b"\xcd"), vllm_key(12, b"\xcd")]
+    keys += [vllm_key(10, b"\xcd"), vllm_key(MAX_GENERATION, b"\xcd")]
     digests += [b"\xcd", b"\xcd"]
     expected = [expected_row(int(k.split("/")[1]), d) for k, d in zip(keys, digests)]
     assert key_rows_from_strings(keys).tolist() == expected
