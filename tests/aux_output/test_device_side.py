@@ -15,8 +15,9 @@ L, K, B = 2, 2, 4
 
 
 def _make_side(*, max_num_seqs=2, max_updates=8, depth=1, destination="direct", capture=None):
-    """A DeviceSide (reference kernel) with a ring of four table rows two blocks wide (slot
-    columns, then each row's block window) on an eight-slot arena, returned with it."""
+    """``(side, arena)``: a DeviceSide (reference kernel) attached to a ring of four table
+    rows two blocks wide (slot columns, then each row's block window) and to ``arena``, eight
+    slots of ``[B, L, K]`` uint8."""
     side = DeviceSide(
         capture_buffer=torch.zeros((8, L, K), dtype=torch.int32) if capture is None else capture,
         dtype=np.dtype(np.uint8),

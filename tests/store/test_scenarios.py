@@ -576,7 +576,7 @@ def test_reserve_growth_calls_on_grow_and_keeps_every_slot(caplog):
     assert store.eviction_order()[-2:] == Ks("cd") and len(store) == 2
 
 
-def test_a_store_of_one_one_byte_object_without_a_reserve():
+def test_a_single_one_byte_slot_store_has_no_reserve_by_default():
     """The smallest valid sizes; a store built without ``reserve_slots`` has no reserve."""
     store = BlockStore(max_bytes=1, object_nbytes=1)
     assert (store.num_slots, store.reserve_slots, tuple(store.arena.shape)) == (1, 0, (1, 1))
