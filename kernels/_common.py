@@ -121,7 +121,9 @@ def _check_dest(
     L, K = capture.shape[1:]
     if not isinstance(dest, torch.Tensor) or dest.dim() not in (3, 4):
         expected = f"[S, B, {L}, {K}] slots or [rows, {L}, {K}] staging"
-        raise _fail("dest", expected, dest if isinstance(dest, torch.Tensor) else type(dest))
+        raise _fail(
+            "dest", expected, dest if isinstance(dest, torch.Tensor) else type(dest).__name__
+        )
     _check_tensor("dest", dest, dest.dim(), DEST_DTYPES)
     rows_layout = dest.dim() == 3
     if tuple(dest.shape[-2:]) != (L, K):

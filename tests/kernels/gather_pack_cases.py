@@ -284,6 +284,8 @@ def special_cases() -> list[Case]:
         Case("rows-layout-kimi", KIMI_K2, 16, [Req(17, 30), Req(5, 2, 4)], rows_layout=True),
         Case("rows-layout-padded", QWEN3_30B, 16, [Req(2, 9), Req(1, 40)], rows_layout=True,
              pad_reqs=3, num_rows=40),
+        # Staging rows with one row per hash block: the smallest hash_block a call may name.
+        Case("rows-layout-B1", TINY, 1, [Req(3, 5, 1), Req(2, 0)], rows_layout=True),
     ]  # fmt: skip
 
 

@@ -15,6 +15,7 @@ from gather_pack_cases import (
     DEST_SENTINEL,
     INFO_SENTINEL,
     QWEN3_30B,
+    TINY,
     Case,
     Req,
     assert_same_bytes,
@@ -144,8 +145,27 @@ BAD_CALLS = {
         _replace("dest", _overlapping_slots),
         "dest must be of non-overlapping slots",
     ),
-    "hash-block-mismatch": (_replace("hash_block", lambda v: 8), "hash_block must be None or"),
-    "num-slots-past-dest": (_replace("num_slots", lambda v: 10**6), "num_slots must be None or"),
+    "hash-block-mismatch": (
+        _replace("hash_block", lambda v: 8),
+        "hash_block must be None or dest.shape\\[1\\] \\(16\\)",
+    ),
+    "num-slots-past-dest": (
+        _replace("num_slots", lambda v: 10**6),
+        "num_slots must be None or an int in \\[0, 7\\]",
+    ),
+    "dest-not-tensor": (
+        _replace("dest", lambda t: t.numpy()),
+        "dest must be \\[S, B, 48, 8\\] slots or \\[rows, 48, 8\\] staging; got 'ndarray'",
+    ),
+    "dest-two-expanded-slots": (
+        _replace("dest", lambda t: t[:1].expand(2, *t.shape[1:])),
+        "dest must be of non-overlapping slots",
+    ),
+    # Only a CUDA capture may write host memory (pinned); here the capture is elsewhere.
+    "capture-other-device": (
+        _replace("capture", lambda t: t.to(META)),
+        "dest must be on the capture's device \\(meta\\)",
+    ),
     "qsl-2d": (_replace("query_start_loc", lambda t: t[None]), "query_start_loc must be 1-D"),
     "qsl-int16": (_replace("query_start_loc", lambda t: t.short()), "query_start_loc must be of"),
     "qsl-empty": (_replace("query_start_loc", lambda t: t[:0]), "query_start_loc must be of len"),
@@ -297,6 +317,100 @@ def test_valid_arguments_of_subclass_types_still_launch(impl: str) -> None:
     run(impl, args, copy=False)
     assert_same_bytes("dest", args["dest"], built["expected_dest"])
     assert_same_bytes("step_info", args["step_info"], built["expected_info"])
+
+
+def test_a_refusal_describes_the_argument_it_got() -> None:
+    args = clone_args(_valid_args())
+    args["positions"] = args["positions"][:3]
+    with pytest.raises(ValueError) as refused:
+        gather_pack_reference(**args)
+    assert str(refused.value) == (
+        "gather_pack: positions must be of length >= num_rows (11); "
+        "got shape (3,), dtype torch.int64, device cpu, stride (1,)"
+    )
+
+
+def _with_strides(t: torch.Tensor, strides: tuple[int, ...]) -> torch.Tensor:
+    """``t``'s elements under ``strides``, which may differ from ``t``'s only in size-1 dims
+    (whose stride never moves an index): the same tensor, laid out as a view may leave it."""
+    assert all(a == b for a, b, n in zip(t.stride(), strides, t.shape) if n != 1)
+    return t.as_strided(t.shape, strides)
+
+
+def _edge_of_explicit_sizes() -> dict:
+    # Blocks of 4 rows: more slots (8) than rows per slot, so the bound on num_slots is S.
+    built = build(Case("explicit", QWEN3_30B, 4, [Req(5, 3, 1), Req(1, 40)]))
+    dest = built["args"]["dest"]
+    assert dest.shape[0] > dest.shape[1]
+    built["args"].update(hash_block=dest.shape[1], num_slots=dest.shape[0])
+    return built
+
+
+def _edge_of_size_one_dims() -> dict:
+    # L = K = 1: the capture's and the slots' trailing dims may carry any stride.
+    built = build(Case("size-one", TINY, 16, [Req(5, 3, 1), Req(20, 40)]))
+    args = built["args"]
+    args["capture"] = _with_strides(args["capture"], (1, 3, 5))
+    args["dest"] = _with_strides(args["dest"], (16, 1, 7, 9))
+    return built
+
+
+def _edge_of_one_slot() -> dict:
+    # One request inside one block, no block mapped ahead: a one-slot arena, whose slot
+    # dim may carry any stride (nothing can overlap).
+    built = build(Case("one-slot", QWEN3_30B, 16, [Req(4, 17, 1)], window_ahead=0, spare_slots=0))
+    dest = built["args"]["dest"]
+    assert dest.shape[0] == 1
+    built["args"]["dest"] = _with_strides(dest, (0, *dest.stride()[1:]))
+    return built
+
+
+VALID_EDGES = {
+    "explicit-hash-block-and-num-slots": _edge_of_explicit_sizes,
+    "size-one-dims-of-any-stride": _edge_of_size_one_dims,
+    "one-slot-of-any-stride": _edge_of_one_slot,
+}
+
+
+@pytest.mark.parametrize("impl", ["triton", "reference"])
+@pytest.mark.parametrize("edge", list(VALID_EDGES), ids=str)
+def test_valid_calls_at_the_edges_of_the_checks_launch(edge: str, impl: str) -> None:
+    built = VALID_EDGES[edge]()
+    args = dict(built["args"])  # the edge's own views: a copy could change their strides
+    run(impl, args, copy=False)
+    assert_same_bytes("dest", args["dest"], built["expected_dest"])
+    assert_same_bytes("step_info", args["step_info"], built["expected_info"])
+
+
+@pytest.mark.parametrize("impl", ["triton", "reference"])
+@pytest.mark.parametrize("rows_layout", [False, True], ids=["slots", "rows"])
+def test_an_arena_without_slots_fails_every_request_that_writes(
+    impl: str, rows_layout: bool
+) -> None:
+    built = build(
+        Case("no-slots", QWEN3_30B, 16, [Req(5, 3, 1), Req(1, 40)], rows_layout=rows_layout)
+    )
+    args = clone_args(built["args"])
+    if rows_layout:
+        args["num_slots"] = 0
+    else:
+        args["dest"] = args["dest"][:0]
+    dest_before = args["dest"].clone()
+    run(impl, args, copy=False)
+    assert args["step_info"][:, 1:].tolist() == [[-1, Status.BAD_BLOCK]] * 2
+    assert torch.equal(args["dest"], dest_before)
+
+
+@pytest.mark.parametrize("impl", ["triton", "reference"])
+def test_zero_requests_and_rows_are_valid_counts_of_any_int_type(impl: str) -> None:
+    # Int subclasses skip the step check's one expression: each count is checked on its own.
+    count = type("Count", (int,), {})
+    args = clone_args(_valid_args())
+    args.update(num_reqs=count(0), num_rows=count(0))
+    dest_before, info_before = args["dest"].clone(), args["step_info"].clone()
+    run(impl, args, copy=False)
+    assert torch.equal(args["dest"], dest_before)
+    assert torch.equal(args["step_info"], info_before)
 
 
 def test_unknown_impl_is_rejected() -> None:
