@@ -191,7 +191,14 @@ BAD_CALLS = {
     "table-row-short": (_replace("table_row", lambda t: t[:1]), "table_row must be of length"),
     "window-float": (_replace("block_window", lambda t: t.float()), "block_window must be of"),
     "window-1d": (_replace("block_window", lambda t: t[:, 0]), "block_window must be 2-D"),
-    "window-rows": (_replace("block_window", lambda t: t[:1]), "block_window must be \\[N, 2\\]"),
+    "window-rows": (
+        _replace("block_window", lambda t: t[:1]),
+        "block_window must be \\[N, 2\\] \\(N = 4 table rows\\)",
+    ),
+    "window-col-strided": (
+        _replace("block_window", lambda t: t.t().contiguous().t()),
+        "block_window must be \\[N, 2\\] .*dense rows",
+    ),
     "rejected-short": (_replace("num_rejected", lambda t: t[:1]), "num_rejected must be of len"),
     "rejected-float": (_replace("num_rejected", lambda t: t.float()), "num_rejected must be of"),
     "table-1d": (_replace("slot_table", lambda t: t[0]), "slot_table must be 2-D"),
@@ -201,6 +208,29 @@ BAD_CALLS = {
         "slot_table must be contiguous along dim 1",
     ),
     "info-int64": (_replace("step_info", lambda t: t.long()), "step_info must be of dtype"),
+    "info-short": (
+        _replace("step_info", lambda t: t[:1]),
+        "step_info must be \\[R, 3\\] with R >= num_reqs \\(2\\)",
+    ),
+    "info-other-device": (
+        _replace("step_info", lambda t: t.to(META)),
+        "step_info must be on the capture's device",
+    ),
+    "capture-strided-rows": (
+        _replace("capture", lambda t: t[::2]),
+        "capture must be contiguous",
+    ),
+    # [rows, 1]: long enough and dense, but the kernel reads positions as a 1-D array.
+    "positions-2d": (_replace("positions", lambda t: t[:, None]), "positions must be 1-D"),
+    # Two columns: the narrowest ring whose column stride the kernel relies on.
+    "table-two-col-strided": (
+        _replace("slot_table", lambda t: t[:, :2].t().contiguous().t()),
+        "slot_table must be contiguous along dim 1",
+    ),
+    "info-col-strided": (
+        _replace("step_info", lambda t: torch.zeros(t.shape[0], 6, dtype=t.dtype)[:, ::2]),
+        "step_info must be of non-overlapping rows, contiguous along dim 1",
+    ),
     "info-4-cols": (
         _replace("step_info", lambda t: torch.zeros(t.shape[0], 4, dtype=t.dtype)),
         "step_info must be \\[R, 3\\]",
@@ -355,20 +385,25 @@ def _edge_of_size_one_dims() -> dict:
     return built
 
 
-def _edge_of_one_slot() -> dict:
-    # One request inside one block, no block mapped ahead: a one-slot arena, whose slot
-    # dim may carry any stride (nothing can overlap).
-    built = build(Case("one-slot", QWEN3_30B, 16, [Req(4, 17, 1)], window_ahead=0, spare_slots=0))
-    dest = built["args"]["dest"]
-    assert dest.shape[0] == 1
-    built["args"]["dest"] = _with_strides(dest, (0, *dest.stride()[1:]))
+def _edge_of_single_entries() -> dict:
+    # One request inside one block, no block mapped ahead, a ring one block wide: one slot,
+    # one ring column, one step_info row, each of whose dims may carry any stride (nothing
+    # can overlap).
+    case = Case("single", QWEN3_30B, 16, [Req(4, 17, 1)], window_ahead=0, ring_width=1,
+                spare_slots=0)  # fmt: skip
+    built = build(case)
+    args = built["args"]
+    assert args["dest"].shape[0] == args["slot_table"].shape[1] == args["step_info"].shape[0] == 1
+    args["dest"] = _with_strides(args["dest"], (0, *args["dest"].stride()[1:]))
+    args["slot_table"] = _with_strides(args["slot_table"], (1, 5))
+    args["step_info"] = _with_strides(args["step_info"], (0, 1))
     return built
 
 
 VALID_EDGES = {
     "explicit-hash-block-and-num-slots": _edge_of_explicit_sizes,
     "size-one-dims-of-any-stride": _edge_of_size_one_dims,
-    "one-slot-of-any-stride": _edge_of_one_slot,
+    "single-slot-column-and-request-of-any-stride": _edge_of_single_entries,
 }
 
 
@@ -459,6 +494,8 @@ def test_prepared_launch_checks_only_per_step_arguments_and_matches_one_shot() -
         launch(qsl[None], positions, num_reqs=3)
     with pytest.raises(ValueError, match="query_start_loc must be a torch.Tensor"):
         launch(qsl.numpy(), positions)  # without num_reqs, nothing to count it from
+    with pytest.raises(ValueError, match="query_start_loc must be 1-D"):
+        launch(qsl[0], positions)
     # Without num_reqs, every request query_start_loc holds: the same writes again.
     args["dest"].copy_(built["args"]["dest"])
     args["step_info"].copy_(built["args"]["step_info"])
