@@ -231,6 +231,28 @@ BAD_CALLS = {
         _replace("step_info", lambda t: torch.zeros(t.shape[0], 6, dtype=t.dtype)[:, ::2]),
         "step_info must be of non-overlapping rows, contiguous along dim 1",
     ),
+    # Each of these passes every other term of the step check's one expression, so the
+    # expression's own term for it is what stops the launch.
+    "qsl-not-tensor": (
+        _replace("query_start_loc", lambda t: t.numpy()),
+        "query_start_loc must be a torch.Tensor",
+    ),
+    "qsl-column": (
+        _replace("query_start_loc", lambda t: t[:, None]),
+        "query_start_loc must be 1-D",
+    ),
+    "qsl-short-for-num-reqs": (
+        _replace("query_start_loc", lambda t: t[:2]),
+        "num_reqs must be an int in \\[0, 1\\]",
+    ),
+    "positions-not-tensor": (
+        _replace("positions", lambda t: t.numpy()),
+        "positions must be a torch.Tensor",
+    ),
+    "positions-device": (
+        _replace("positions", lambda t: t.to(META)),
+        "positions must be on the capture's device",
+    ),
     "info-4-cols": (
         _replace("step_info", lambda t: torch.zeros(t.shape[0], 4, dtype=t.dtype)),
         "step_info must be \\[R, 3\\]",
