@@ -253,6 +253,18 @@ BAD_CALLS = {
         _replace("positions", lambda t: t.to(META)),
         "positions must be on the capture's device",
     ),
+    "rejected-not-tensor": (
+        _replace("num_rejected", lambda t: t.numpy()),
+        "num_rejected must be a torch.Tensor",
+    ),
+    "rejected-column": (
+        _replace("num_rejected", lambda t: t[:, None]),
+        "num_rejected must be 1-D",
+    ),
+    "rejected-device": (
+        _replace("num_rejected", lambda t: t.to(META)),
+        "num_rejected must be on the capture's device",
+    ),
     "info-4-cols": (
         _replace("step_info", lambda t: torch.zeros(t.shape[0], 4, dtype=t.dtype)),
         "step_info must be \\[R, 3\\]",
