@@ -471,10 +471,14 @@ def test_an_arena_without_slots_fails_every_request_that_writes(
 
 
 @pytest.mark.parametrize("impl", ["triton", "reference"])
-def test_zero_requests_and_rows_are_valid_counts_of_any_int_type(impl: str) -> None:
+@pytest.mark.parametrize("qsl_entries", [1, 3], ids=["qsl-of-no-request", "qsl-of-two"])
+def test_zero_requests_and_rows_are_valid_counts_of_any_int_type(
+    impl: str, qsl_entries: int
+) -> None:
     # Int subclasses skip the step check's one expression: each count is checked on its own.
     count = type("Count", (int,), {})
     args = clone_args(_valid_args())
+    args["query_start_loc"] = args["query_start_loc"][:qsl_entries]
     args.update(num_reqs=count(0), num_rows=count(0))
     dest_before, info_before = args["dest"].clone(), args["step_info"].clone()
     run(impl, args, copy=False)
