@@ -371,10 +371,12 @@ class _TaggedTensor(torch.Tensor):
 
 
 @pytest.mark.parametrize("impl", ["triton", "reference"])
-def test_valid_arguments_of_subclass_types_still_launch(impl: str) -> None:
+@pytest.mark.parametrize("rows_layout", [False, True], ids=["slots", "rows"])
+def test_valid_arguments_of_subclass_types_still_launch(impl: str, rows_layout: bool) -> None:
     # The step check's one expression wants exact types; what it does not recognise goes
     # through every check one by one, and valid values of other types pass.
-    built = build(Case("subclass", QWEN3_30B, 16, [Req(5, 3, 1), Req(1, 40)]))
+    case = Case("subclass", QWEN3_30B, 16, [Req(5, 3, 1), Req(1, 40)], rows_layout=rows_layout)
+    built = build(case)
     args = clone_args(built["args"])
     args["positions"] = args["positions"].as_subclass(_TaggedTensor)
     args["num_reqs"] = type("Count", (int,), {})(args["query_start_loc"].shape[0] - 1)
