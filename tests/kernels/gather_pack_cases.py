@@ -407,6 +407,16 @@ def error_cases() -> list[Case]:
         Case("rows-at-bound", QWEN3_30B, 16, three, num_rows=59),
         Case("late-column-unmapped", TINY, 1, [Req(600, 5), Req(7, 1)],
              mutate=_unmap_block(0, 580), status=[2, 0]),
+        # Qwen3's rows tile by 8: each tile rescans the slot range of every request it holds,
+        # from that request's first row in the tile, wherever it lies (mid-tile, the tile's
+        # last row, or a request's last row alone at a tile's start). Each failing block
+        # lies in another tile than the rows that must stay unwritten.
+        Case("bad-slot-request-starts-mid-tile", QWEN3_30B, 16, [Req(3, 0), Req(30, 10)],
+             mutate=_unmap_block(1, 2), status=[0, 2]),
+        Case("bad-slot-request-starts-at-tile-end", QWEN3_30B, 16, [Req(7, 0), Req(30, 10)],
+             mutate=_unmap_block(1, 2), status=[0, 2]),
+        Case("bad-slot-request-ends-alone-in-tile", QWEN3_30B, 16, [Req(9, 8), Req(5, 0)],
+             mutate=_unmap_block(0, 0), status=[2, 0]),
         Case("mixed-failures", KIMI_K2, 32, [Req(1, 9), Req(4, 60, 5), Req(50, 3), Req(2, 1)],
              mutate=_unmap_block(2, 0), status=[0, 1, 2, 0]),
         # A query_start_loc that decreases anywhere or starts below 0 fails the whole step.

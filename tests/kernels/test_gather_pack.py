@@ -473,6 +473,29 @@ def test_an_arena_without_slots_fails_every_request_that_writes(
 
 
 @pytest.mark.parametrize("impl", ["triton", "reference"])
+def test_a_slot_past_2_gib_of_arena_is_addressed_in_64_bits(impl: str) -> None:
+    # The worker's slot table is int32; slot * slot size overflows int32 past 2**31 bytes
+    # of a uint8 arena (4.4M tokens of Kimi-K2), so the offset must be formed in 64 bits.
+    built = build(Case("far-slot", QWEN3_30B, 16, [Req(5, 3)]))
+    args = clone_args(built["args"])
+    slot_elems = 16 * QWEN3_30B.num_layers * QWEN3_30B.top_k
+    far = 2**31 // slot_elems + 1
+    assert args["slot_table"].dtype == torch.int32 and far * slot_elems > 2**31
+    # Only the two slots checked are initialized: the rest stays untouched virtual memory.
+    args["dest"] = torch.empty((far + 1, *args["dest"].shape[1:]), dtype=torch.uint8)
+    args["dest"][far - 1 :].zero_()
+    table_row = int(args["table_row"][0])
+    args["slot_table"][table_row] = -1
+    args["slot_table"][table_row, 0] = far
+    run(impl, args, copy=False)
+    assert args["step_info"][0].tolist() == [3, 5, Status.OK]
+    expected = torch.zeros_like(args["dest"][far])
+    expected[3:8] = args["capture"][:5].to(torch.uint8)
+    assert_same_bytes("far slot", args["dest"][far], expected)
+    assert not args["dest"][far - 1].any()
+
+
+@pytest.mark.parametrize("impl", ["triton", "reference"])
 @pytest.mark.parametrize("qsl_entries", [1, 3], ids=["qsl-of-no-request", "qsl-of-two"])
 def test_zero_requests_and_rows_are_valid_counts_of_any_int_type(
     impl: str, qsl_entries: int
