@@ -1,4 +1,5 @@
-"""Test-wide setup: the Triton interpreter on CPU-only machines, and the `gpu` marker."""
+"""Test-wide setup: the Triton interpreter on CPU-only machines (every interpreted load and
+store checked against its launch's tensors), and the `gpu` marker."""
 
 import os
 
@@ -18,3 +19,16 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip_gpu)
+
+
+@pytest.fixture(autouse=True)
+def _interpreted_accesses_in_bounds():
+    """On a GPU an access outside a kernel's tensors is an illegal address; under the
+    interpreter it silently reads or writes host memory, so every test checks them."""
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        yield
+        return
+    from interpreter_bounds import checked_memory_accesses
+
+    with checked_memory_accesses():
+        yield
