@@ -375,6 +375,10 @@ def error_cases() -> list[Case]:
              status=[0, 1, 0]),
         Case("rejected-over-rows", QWEN3_30B, 16, three, mutate=set_input("num_rejected", 2, 36),
              status=[0, 0, 1]),
+        # A negative count "accepts" a row past the request's own, into a block whose slot
+        # is bad: the rejected-count status still wins over the block status.
+        Case("rejected-negative-over-bad-block", QWEN3_30B, 16, [Req(4, 12, -1), Req(3, 40)],
+             mutate=_unmap_block(0, 1), status=[1, 0]),
         Case("block-below-window", QWEN3_30B, 16, three, mutate=move_window(0, 0, 1),
              status=[2, 0, 0]),
         Case("block-above-window", KIMI_K2, 16, three, window_ahead=0,
