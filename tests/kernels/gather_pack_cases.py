@@ -265,6 +265,10 @@ def special_cases() -> list[Case]:
         Case("no-num-rejected", QWEN3_30B, 16, [Req(3, 14), Req(20, 0)], with_rejected=False),
         Case("graph-padded", QWEN3_30B, 16, [Req(2, 9), Req(1, 40)], pad_reqs=5, num_rows=64),
         Case("graph-padded-R0", QWEN3_30B, 16, [], pad_reqs=4, num_rows=32),
+        # Windows that end at the block of the last accepted row (no block mapped ahead),
+        # with rows ending exactly on a block boundary, from position 0 and from mid-block.
+        Case("window-ends-at-last-block", QWEN3_30B, 16, [Req(16, 0), Req(8, 24)],
+             window_ahead=0),
         Case("int64-index", KIMI_K2, 16, [Req(33, 20, 1), Req(1, 3)], index_dtype=torch.int64),
         Case("wrap-int32-u8", QWEN3_30B, 16, [Req(40, 9)], full_range_values=True),
         Case("wrap-int32-u16", KIMI_K2, 32, [Req(40, 9)], full_range_values=True),
@@ -402,6 +406,12 @@ def error_cases() -> list[Case]:
         Case("start-negative", QWEN3_30B, 16, three, mutate=set_input("positions", 20, -3),
              status=[0, 2, 0]),
         # Only blocks of accepted rows matter: an unmapped block holding rejected rows is fine.
+        # The bad block holds only the request's last accepted row.
+        Case("bad-block-holds-only-last-row", QWEN3_30B, 16, [Req(17, 0), Req(2, 40)],
+             mutate=_unmap_block(0, 1), status=[2, 0]),
+        # A negative start fails even where the clamped range lies inside the window.
+        Case("start-negative-in-window", QWEN3_30B, 16, [Req(3, 0), Req(2, 40)],
+             mutate=set_input("positions", 0, -3), status=[2, 0]),
         Case("rejected-rows-unmapped", QWEN3_30B, 16, [Req(4, 14, 3)], window_ahead=0,
              mutate=_unmap_block(0, 1)),
         Case("rejected-all-bad-start", QWEN3_30B, 16, [Req(2, 0, 2), Req(3, 4)],
