@@ -421,6 +421,10 @@ def error_cases() -> list[Case]:
         Case("rows-at-bound", QWEN3_30B, 16, three, num_rows=59),
         Case("late-column-unmapped", TINY, 1, [Req(600, 5), Req(7, 1)],
              mutate=_unmap_block(0, 580), status=[2, 0]),
+        # 600 columns scan in two loads of 512: a bad slot in the first must not be
+        # forgotten by the second.
+        Case("early-column-unmapped", TINY, 1, [Req(600, 5), Req(7, 1)],
+             mutate=_unmap_block(0, 20), status=[2, 0]),
         # Qwen3's rows tile by 8: each tile rescans the slot range of every request it holds,
         # from that request's first row in the tile, wherever it lies (mid-tile, the tile's
         # last row, or a request's last row alone at a tile's start). Each failing block
