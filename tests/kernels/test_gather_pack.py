@@ -372,10 +372,17 @@ class _TaggedTensor(torch.Tensor):
 
 @pytest.mark.parametrize("impl", ["triton", "reference"])
 @pytest.mark.parametrize("rows_layout", [False, True], ids=["slots", "rows"])
-def test_valid_arguments_of_subclass_types_still_launch(impl: str, rows_layout: bool) -> None:
+@pytest.mark.parametrize("with_rejected", [True, False], ids=["rejected", "no-rejected"])
+def test_valid_arguments_of_subclass_types_still_launch(
+    impl: str, rows_layout: bool, with_rejected: bool
+) -> None:
     # The step check's one expression wants exact types; what it does not recognise goes
-    # through every check one by one, and valid values of other types pass.
-    case = Case("subclass", QWEN3_30B, 16, [Req(5, 3, 1), Req(1, 40)], rows_layout=rows_layout)
+    # through every check one by one, and valid values of other types pass (num_rejected
+    # None included).
+    reqs = [Req(5, 3, 1), Req(1, 40)]
+    case = Case(
+        "subclass", QWEN3_30B, 16, reqs, rows_layout=rows_layout, with_rejected=with_rejected
+    )
     built = build(case)
     args = clone_args(built["args"])
     args["positions"] = args["positions"].as_subclass(_TaggedTensor)
