@@ -405,13 +405,13 @@ def error_cases() -> list[Case]:
              status=[2, 0, 0]),
         Case("start-negative", QWEN3_30B, 16, three, mutate=set_input("positions", 20, -3),
              status=[0, 2, 0]),
-        # Only blocks of accepted rows matter: an unmapped block holding rejected rows is fine.
-        # The bad block holds only the request's last accepted row.
-        Case("bad-block-holds-only-last-row", QWEN3_30B, 16, [Req(17, 0), Req(2, 40)],
-             mutate=_unmap_block(0, 1), status=[2, 0]),
         # A negative start fails even where the clamped range lies inside the window.
         Case("start-negative-in-window", QWEN3_30B, 16, [Req(3, 0), Req(2, 40)],
              mutate=set_input("positions", 0, -3), status=[2, 0]),
+        # The bad block holds only the request's last accepted row.
+        Case("bad-block-holds-only-last-row", QWEN3_30B, 16, [Req(17, 0), Req(2, 40)],
+             mutate=_unmap_block(0, 1), status=[2, 0]),
+        # Only blocks of accepted rows matter: an unmapped block holding rejected rows is fine.
         Case("rejected-rows-unmapped", QWEN3_30B, 16, [Req(4, 14, 3)], window_ahead=0,
              mutate=_unmap_block(0, 1)),
         Case("rejected-all-bad-start", QWEN3_30B, 16, [Req(2, 0, 2), Req(3, 4)],
