@@ -481,8 +481,9 @@ def test_an_arena_without_slots_fails_every_request_that_writes(
 
 @pytest.mark.parametrize("impl", ["triton", "reference"])
 def test_a_slot_past_2_gib_of_arena_is_addressed_in_64_bits(impl: str) -> None:
-    # The worker's slot table is int32; slot * slot size overflows int32 past 2**31 bytes
-    # of a uint8 arena (4.4M tokens of Kimi-K2), so the offset must be formed in 64 bits.
+    # The worker's slot table is int32; slot * slot size (in elements) overflows int32 past
+    # 2**31 elements of arena (5.6M tokens of Qwen3-30B-A3B, 4.4M of Kimi-K2), so the
+    # offset must be formed in 64 bits.
     built = build(Case("far-slot", QWEN3_30B, 16, [Req(5, 3)]))
     args = clone_args(built["args"])
     slot_elems = 16 * QWEN3_30B.num_layers * QWEN3_30B.top_k
