@@ -399,6 +399,10 @@ def error_cases() -> list[Case]:
              mutate=set_input("table_row", 1, 10**6), status=[0, 2, 0]),
         Case("table-row-negative", QWEN3_30B, 16, three,
              mutate=set_input("table_row", 2, -1), status=[0, 0, 2]),
+        # Read as a Python index, the negative row would name request 0's own row, whose
+        # window and slots fit request 1's rows exactly.
+        Case("table-row-negative-aliases-a-live-row", QWEN3_30B, 16, [Req(3, 40), Req(3, 40)],
+             mutate=_alias_row_from_the_end(1, 0), status=[0, 2]),
         Case("slot-minus-1-mid", QWEN3_30B, 16, three, mutate=_unmap_block(2, 1),
              status=[0, 0, 2]),
         Case("slot-past-arena", QWEN3_30B, 16, three, mutate=_set_block(0, 0, 10**6),
@@ -408,9 +412,21 @@ def error_cases() -> list[Case]:
         # A negative start fails even where the clamped range lies inside the window.
         Case("start-negative-in-window", QWEN3_30B, 16, [Req(3, 0), Req(2, 40)],
              mutate=set_input("positions", 0, -3), status=[2, 0]),
+        # ... and where the negative positions' ring column (a one-column ring) is live.
+        Case("start-negative-ring-of-one", QWEN3_30B, 16, [Req(3, 0), Req(2, 40)],
+             window_ahead=0, ring_width=1, mutate=set_input("positions", 0, -3),
+             status=[2, 0]),
         # The bad block holds only the request's last accepted row.
         Case("bad-block-holds-only-last-row", QWEN3_30B, 16, [Req(17, 0), Req(2, 40)],
              mutate=_unmap_block(0, 1), status=[2, 0]),
+        # Only the last accepted row lies past the window, and its ring column still holds
+        # a live slot: the window check alone must catch it.
+        Case("last-row-alone-past-window", QWEN3_30B, 16, [Req(17, 0), Req(2, 40)],
+             window_ahead=0, mutate=move_window(0, 1, -1), status=[2, 0]),
+        # One-row blocks: a request at position 0 whose window starts at block 1, while the
+        # ring column of block 0 still holds a live slot.
+        Case("block-below-window-B1-at-0", TINY, 1, [Req(3, 0), Req(2, 9)],
+             mutate=move_window(0, 0, 1), status=[2, 0]),
         # Only blocks of accepted rows matter: an unmapped block holding rejected rows is fine.
         Case("rejected-rows-unmapped", QWEN3_30B, 16, [Req(4, 14, 3)], window_ahead=0,
              mutate=_unmap_block(0, 1)),
@@ -470,3 +486,14 @@ def _set_block(r: int, block_offset: int, value: int) -> Callable[[dict], None]:
 
 def _unmap_block(r: int, block_offset: int) -> Callable[[dict], None]:
     return _set_block(r, block_offset, -1)
+
+
+def _alias_row_from_the_end(r: int, other: int) -> Callable[[dict], None]:
+    """Give request r the negative table row that, counted from the end of the table as a
+    Python index, is request ``other``'s row."""
+
+    def mutate(inputs: dict) -> None:
+        num_table_rows = inputs["slot_table"].shape[0]
+        inputs["table_row"][r] = int(inputs["table_row"][other]) - num_table_rows
+
+    return mutate
