@@ -34,7 +34,6 @@ lower case, compile-time block sizes in UPPER case.
 from __future__ import annotations
 
 import importlib
-import os
 
 import torch
 import triton
@@ -325,10 +324,8 @@ _STEP_ARGS = (
 
 
 def _interpreting() -> bool:
-    knobs = getattr(triton, "knobs", None)  # triton >= 3.4
-    if knobs is not None:
-        return bool(knobs.runtime.interpret)
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+    """Whether Triton runs kernels in its interpreter (TRITON_INTERPRET=1, as Triton reads it)."""
+    return bool(triton.knobs.runtime.interpret)
 
 
 class GatherPackLaunch:
