@@ -544,6 +544,18 @@ def test_auto_picks_triton_under_interpreter_and_reference_without(monkeypatch) 
     assert args["step_info"][:, 2].tolist() == [0, 0]
 
 
+def test_reference_impl_never_launches_the_kernel_even_under_the_interpreter(
+    monkeypatch,
+) -> None:
+    calls = []
+    monkeypatch.setattr(GP_MODULE, "_gather_pack_kernel", _RecordingKernel(calls))
+    monkeypatch.setattr(GP_MODULE, "_interpreting", lambda: True)
+    args = clone_args(_valid_args())
+    gather_pack(**args, impl="reference")
+    assert calls == []
+    assert args["step_info"][:, 2].tolist() == [0, 0]
+
+
 def test_prepared_launch_checks_only_per_step_arguments_and_matches_one_shot() -> None:
     built = build(Case("plan", QWEN3_30B, 16, [Req(5, 3, 1), Req(1, 40), Req(20, 60, 2)]))
     args = clone_args(built["args"])
