@@ -86,6 +86,8 @@ GATHER_PACK_SPECS = (
     GatherPackSpec("deepseek-v3-61x8-B32-i64idx-u8", 61, 8, 32, index="i64"),
     GatherPackSpec("narrow-capture-36x4-B16-u16-u16", 36, 4, 16, capture="u16", dest="u16"),
     GatherPackSpec("mixtral-32x2-B16-i32-u8", 32, 2, 16),
+    # Rows of more than 4,096 elements: tiles of one row and one request.
+    GatherPackSpec("wide-row-65x64-B16-i32-u16", 65, 64, 16, dest="u16"),
 )
 
 

@@ -41,6 +41,10 @@ TINY = Model("L1K1", 1, 1, 8)
 QWEN3_30B = Model("qwen3-48x8", 48, 8, 128)
 KIMI_K2 = Model("kimi-61x8", 61, 8, 384)
 GPT_OSS = Model("gptoss-36x4", 36, 4, 128)
+# Rows wider than the models above, so that a kernel tile holds fewer rows and requests
+# (``_tile_config``): two per tile, and one.
+WIDE_2K = Model("wide-40x32", 40, 32, 512)
+WIDE_8K = Model("wide-65x64", 65, 64, 512)
 
 
 @dataclass(frozen=True)
@@ -290,6 +294,12 @@ def special_cases() -> list[Case]:
              pad_reqs=3, num_rows=40),
         # Staging rows with one row per hash block: the smallest hash_block a call may name.
         Case("rows-layout-B1", TINY, 1, [Req(3, 5, 1), Req(2, 0)], rows_layout=True),
+        # More requests than rows: request tiles, not row tiles, must size the grid.
+        Case("more-requests-than-rows", QWEN3_30B, 16,
+             [Req(0, 5 * i) for i in range(19)] + [Req(1, 3)], num_rows=1),
+        # Tiles of two rows, and of one row and one request.
+        Case("tile-of-2-rows", WIDE_2K, 16, [Req(5, 14, 1), Req(1, 40), Req(3, 7), Req(0, 2)]),
+        Case("tile-of-1-row", WIDE_8K, 16, [Req(3, 14, 1), Req(1, 40), Req(2, 31)]),
     ]  # fmt: skip
 
 
@@ -451,6 +461,9 @@ def error_cases() -> list[Case]:
              mutate=_unmap_block(1, 2), status=[0, 2]),
         Case("bad-slot-request-ends-alone-in-tile", QWEN3_30B, 16, [Req(9, 8), Req(5, 0)],
              mutate=_unmap_block(0, 0), status=[2, 0]),
+        # A failing request in one-row tiles, between requests that write.
+        Case("bad-slot-in-one-row-tiles", WIDE_8K, 16, [Req(2, 3), Req(3, 14), Req(1, 9)],
+             mutate=_unmap_block(1, 1), status=[0, 2, 0]),
         Case("mixed-failures", KIMI_K2, 32, [Req(1, 9), Req(4, 60, 5), Req(50, 3), Req(2, 1)],
              mutate=_unmap_block(2, 0), status=[0, 1, 2, 0]),
         # A query_start_loc that decreases anywhere or starts below 0 fails the whole step.
