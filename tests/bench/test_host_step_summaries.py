@@ -65,21 +65,25 @@ def _expected(replays: list[dict], metric: str, steps: list[int]) -> dict[str, f
     return out
 
 
-@pytest.fixture(scope="module")
-def summary():
-    rng = np.random.default_rng(7)
-    runs = {VLLM: [_replay(rng) for _ in range(REPEATS)]}
-    runs[OURS] = [_replay(rng) for _ in range(REPEATS)]
-    meta = {
+def _meta(kinds: list[str], processed: list[int]) -> dict:
+    """A recording's ``meta.json`` for steps of ``kinds``, ``processed`` ones digested."""
+    return {
         "family": "f",
         "model": "m",
         "depth": 2,
         "shape": [2, 2],
         "dtype": "uint8",
-        "kinds": KINDS,
-        "digests": [[s, f"d{s}"] for s in PROCESSED],
+        "kinds": kinds,
+        "digests": [[s, f"d{s}"] for s in processed],
     }
-    rows, pairs = _summaries(meta, runs, True)
+
+
+@pytest.fixture(scope="module")
+def summary():
+    rng = np.random.default_rng(7)
+    runs = {VLLM: [_replay(rng) for _ in range(REPEATS)]}
+    runs[OURS] = [_replay(rng) for _ in range(REPEATS)]
+    rows, pairs = _summaries(_meta(KINDS, PROCESSED), runs, True)
     return runs, rows, pairs
 
 
@@ -184,3 +188,34 @@ def test_a_replay_that_failed_or_returned_too_much_is_not_identical():
     longer = {"error": None, "digests": [*good["digests"], [7, "d7"]]}
     identical, reason = _same_outputs(meta, {VLLM: [good, longer], OURS: [good]})
     assert not identical and reason == f"{VLLM} run 1: outputs differ from step end"
+
+
+def test_no_ratio_when_outputs_differ():
+    steps = 4
+    meta = _meta(["decode"] * steps, list(range(steps)))
+
+    def run(digests, scale):
+        calls = np.full((len(CALLS), steps, 2), 1000 * scale, np.int64)
+        return {
+            "calls": calls,
+            "background": np.zeros(steps, np.int64),
+            "digests": digests,
+            "error": None,
+        }
+
+    good = [[s, f"d{s}"] for s in range(steps)]
+    bad = [[s, f"d{s}" if s != 2 else "x"] for s in range(steps)]
+    runs = {"vllm-0.33.0": [run(good, 3)] * 3, "r3capture": [run(good, 1)] * 3}
+    identical, _ = _same_outputs(meta, runs)
+    rows, _ = _summaries(meta, runs, identical)
+    ours = [r for r in rows if r.provider == "r3capture" and r.op == "main"][0]
+    assert identical and ours.params["cpu_ratio_p50"] == pytest.approx(3.0)
+    assert ours.params["kinds"]["decode"]["cpu_ratio_p90"] == pytest.approx(3.0)
+    assert ours.params["cpu_total_ms"] == pytest.approx(3 * steps * 1000 / 1e6)
+    assert ours.params["calls"]["prepare_output"]["cpu_ratio_total"] == pytest.approx(3.0)
+    runs["r3capture"] = [run(good, 1), run(bad, 1), run(good, 1)]
+    identical, reason = _same_outputs(meta, runs)
+    assert not identical and "step 2" in reason
+    rows, _ = _summaries(meta, runs, identical)
+    assert not any("ratio_p50" in r.params for r in rows)
+    assert not any("ratio_p50" in k for r in rows for k in r.params["kinds"].values())
