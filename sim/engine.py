@@ -79,6 +79,7 @@ class SimEngine:
         *,
         scheduler_factory: SchedulerFactory = r3capture_scheduler,
         threaded: bool = False,
+        interleave_seed: int | None = None,
         record_metas: bool = False,
     ) -> None:
         self.trace = trace
@@ -101,7 +102,9 @@ class SimEngine:
             self.result,
             record_metas=record_metas,
         )
-        self.runner = SimModelRunner(trace, worker, rng, self.result, threaded=threaded)
+        self.runner = SimModelRunner(
+            trace, worker, rng, self.result, threaded=threaded, interleave_seed=interleave_seed
+        )
         self.inflight: deque[InFlight] = deque()
 
     def run(self, *, catch_errors: bool = False) -> SimResult:
@@ -178,13 +181,17 @@ def run_trace(
     *,
     scheduler_factory: SchedulerFactory = r3capture_scheduler,
     threaded: bool = False,
+    interleave_seed: int | None = None,
     record_metas: bool = False,
     catch_errors: bool = False,
     check: bool = True,
 ) -> SimResult:
     """Run ``trace`` through a fresh worker from ``worker_factory``; with ``check`` (and no
     error) verify every request's rows against the oracle. ``catch_errors`` records the
-    first error (step, phase, exception) in ``result.error`` instead of raising."""
+    first error (step, phase, exception) in ``result.error`` instead of raising.
+    ``process_output`` runs on an output thread with ``threaded``; with ``interleave_seed``,
+    on the step thread at the call boundaries the seed draws (``sim.interleaving``);
+    otherwise when the engine needs its result."""
     handle = worker_factory(worker_sizes(trace))
     try:
         engine = SimEngine(
@@ -192,6 +199,7 @@ def run_trace(
             handle,
             scheduler_factory=scheduler_factory,
             threaded=threaded,
+            interleave_seed=interleave_seed,
             record_metas=record_metas,
         )
         result = engine.run(catch_errors=catch_errors)

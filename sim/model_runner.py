@@ -18,6 +18,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from sim.interleaving import DrawnInterleaving
 from sim.oracle import SEED, RoutingOracle, prefix_hashes
 from sim.records import InFlight, Scheduled, SimError, SimRequest, SimResult, StepRecord
 from sim.trace import VOCAB, Trace
@@ -53,6 +54,8 @@ class SimModelRunner:
         rng: the run's random stream (shared with the scheduler: one draw order).
         result: where step outputs, errors and counters go.
         threaded: run ``process_output`` on a separate thread, as vLLM's output thread does.
+        interleave_seed: run ``process_output`` on the step thread instead, at the call
+            boundaries this seed draws (``sim.interleaving``); not with ``threaded``.
     """
 
     def __init__(
@@ -63,6 +66,7 @@ class SimModelRunner:
         result: SimResult,
         *,
         threaded: bool,
+        interleave_seed: int | None = None,
     ) -> None:
         self.trace = trace
         self.cfg = trace.config
@@ -75,8 +79,15 @@ class SimModelRunner:
             model.num_layers, model.top_k, model.num_experts, model.num_dense_layers
         )
         self.gpu: dict[str, _GpuRequest] = {}
-        self._executor = (
-            concurrent.futures.ThreadPoolExecutor(1, "sim-output") if threaded else None
+        if threaded and interleave_seed is not None:
+            raise ValueError("threaded and interleave_seed exclude each other")
+        self._interleaving = (
+            DrawnInterleaving(interleave_seed) if interleave_seed is not None else None
+        )
+        self._executor: concurrent.futures.Executor | DrawnInterleaving | None = (
+            concurrent.futures.ThreadPoolExecutor(1, "sim-output")
+            if threaded
+            else self._interleaving
         )
 
     def shutdown(self) -> None:
@@ -86,6 +97,8 @@ class SimModelRunner:
     def _call(
         self, step_index: int, phase: str, fn: Callable[..., Any], *args: Any, **kwargs: Any
     ) -> Any:
+        if self._interleaving is not None:
+            self._interleaving.boundary()
         t0 = time.perf_counter()
         try:
             return fn(*args, **kwargs)
@@ -253,6 +266,8 @@ class SimModelRunner:
             if step.future is not None:
                 t0 = time.perf_counter()
                 try:
+                    if self._interleaving is not None:
+                        self._interleaving.run_through(step.future)
                     output = step.future.result()
                 except Exception as exc:
                     self.result.error = SimError(step.index, "process_output", exc)
