@@ -5,9 +5,10 @@
 #
 # Made for the project's H200 image (python3.12, torch 2.11, triton 3.6.0, nvidia-ml-py,
 # pytest; no vLLM, no internet): installs r3capture offline from this checkout, runs the
-# gpu-marked tests, the kernel microbenchmark and the NVML memory profile. Each stage has
-# its own time limit so the whole run stays under 8 minutes; a failing stage does not stop
-# the later ones. Exit status: 0 when every stage passed, 1 when one failed, 2 when there is
+# gpu-marked tests, the main-thread host cost of the real path against vLLM's GPU path
+# (bench/gpu_host_step.py), the kernel microbenchmark (direct-to-pinned against staging + one
+# copy, against vLLM's cast + copy) and the NVML memory profile. Each stage has its own time
+# limit so the whole run stays under 8 minutes; a failing stage does not stop the later ones. Exit status: 0 when every stage passed, 1 when one failed, 2 when there is
 # no usable GPU (checked first, in seconds; nothing is installed or written then).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -55,16 +56,17 @@ torch.__version__, "cuda", torch.version.cuda, "triton", triton.__version__)' 2>
 } > "$OUT/env.txt"
 cat "$OUT/env.txt"
 
-stage install 60 "$PY" -m pip install --no-deps --no-build-isolation --no-index -e . &&
-    stage imports 30 "$PY" -c 'import r3capture.kernels, r3capture.store, r3capture.aux_output
+stage install 40 "$PY" -m pip install --no-deps --no-build-isolation --no-index -e . &&
+    stage imports 20 "$PY" -c 'import r3capture.kernels, r3capture.store, r3capture.aux_output
 from r3capture.kernels import can_write_host_directly
 print("direct host writes:", can_write_host_directly("cuda"))'
 # Only the suites with gpu tests: others need vLLM or hypothesis, which this image lacks.
-stage pytest_gpu 150 "$PY" -m pytest -m gpu -q -p no:cacheprovider \
+stage pytest_gpu 120 "$PY" -m pytest -m gpu -q -p no:cacheprovider \
     tests/kernels tests/bench tests/aux_output/test_worker_gpu.py \
     --junitxml="$OUT/pytest_gpu.xml" -rs
-stage kernel_bench 150 "$PY" -m bench.kernel_bench --out "$OUT"
-stage nvml_profile 80 "$PY" -m bench.nvml_profile --out "$OUT"
+stage gpu_host_step 150 env PYTHONUNBUFFERED=1 "$PY" -m bench.gpu_host_step --rounds 2 --out "$OUT"
+stage kernel_bench 130 env PYTHONUNBUFFERED=1 "$PY" -m bench.kernel_bench --out "$OUT"
+stage nvml_profile 50 "$PY" -m bench.nvml_profile --out "$OUT"
 
 tail -n 3 "$OUT/pytest_gpu.log" | sed 's/^/pytest: /' | tee -a "$SUMMARY"
 exit "$status"

@@ -18,6 +18,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from sim.copy_stream import OutputCopies
 from sim.interleaving import DrawnInterleaving
 from sim.oracle import SEED, RoutingOracle, prefix_hashes
 from sim.records import InFlight, Scheduled, SimError, SimRequest, SimResult, StepRecord
@@ -79,6 +80,7 @@ class SimModelRunner:
             model.num_layers, model.top_k, model.num_experts, model.num_dense_layers
         )
         self.gpu: dict[str, _GpuRequest] = {}
+        self._copies = OutputCopies(worker.capture_buffer.device)
         if threaded and interleave_seed is not None:
             raise ValueError("threaded and interleave_seed exclude each other")
         self._interleaving = (
@@ -228,13 +230,16 @@ class SimModelRunner:
         # process_output so a worker that reads them early sees garbage.
         late_sampled = np.full(num_reqs, -1, np.int32)
         late_rejected = np.full(num_reqs, -1, np.int32)
+        copy_event = None
         if pending is not None:
-            self._call(
-                sched.index,
-                "enqueue_cpu_copy",
-                pending.enqueue_cpu_copy,
-                num_sampled=late_sampled,
-                num_rejected=late_rejected,
+            copy_event = self._copies.enqueue(
+                lambda: self._call(
+                    sched.index,
+                    "enqueue_cpu_copy",
+                    pending.enqueue_cpu_copy,
+                    num_sampled=late_sampled,
+                    num_rejected=late_rejected,
+                )
             )
         step = InFlight(
             sched.index,
@@ -247,10 +252,11 @@ class SimModelRunner:
             num_sampled,
             num_rejected,
             pending,
+            OutputCopies.after(copy_event, pending.process_output) if pending else None,
         )
         if self._executor is not None and pending is not None:
             self._fill(step)
-            step.future = self._executor.submit(pending.process_output)
+            step.future = self._executor.submit(step.process_output)
         return step
 
     @staticmethod
@@ -276,7 +282,7 @@ class SimModelRunner:
                     self.stats.worker_seconds += time.perf_counter() - t0
             else:
                 self._fill(step)
-                output = self._call(step_index, "process_output", step.pending.process_output)
+                output = self._call(step_index, "process_output", step.process_output)
             self.result.steps.append(
                 StepRecord(
                     step.index,

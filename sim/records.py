@@ -4,6 +4,7 @@ counters and the result of a run."""
 from __future__ import annotations
 
 import concurrent.futures
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from types import SimpleNamespace
 from typing import Any
@@ -238,4 +239,6 @@ class InFlight:
     num_sampled_final: np.ndarray
     num_rejected_final: np.ndarray
     pending: Any
+    # pending.process_output, after the wait for the step's copy event on a GPU.
+    process_output: Callable[[], Any] | None = None
     future: concurrent.futures.Future | None = None
