@@ -212,7 +212,10 @@ def check_static_args(
         raise _fail("step_info", "[R, 3]", step_info)
     if step_info.stride(1) != 1 or (step_info.shape[0] > 1 and step_info.stride(0) < 3):
         raise _fail("step_info", "of non-overlapping rows, contiguous along dim 1", step_info)
-    _check_writable_place("step_info", step_info, capture)
+    if step_info.shape[0]:
+        # An empty step_info admits no request (max_requests is 0), so nothing is ever
+        # launched to write it; and PyTorch never pins an empty tensor, even when asked to.
+        _check_writable_place("step_info", step_info, capture)
     if _same_memory(step_info, dest) or _same_memory(step_info, capture):
         raise _fail("step_info", "memory apart from dest and capture", step_info)
 

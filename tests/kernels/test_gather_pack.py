@@ -604,3 +604,27 @@ def test_kernel_module_does_not_import_the_reference() -> None:
 def test_no_direct_host_writes_without_cuda() -> None:
     assert can_write_host_directly() is False
     assert can_write_host_directly("cuda:0") is False
+
+
+def test_an_empty_step_info_may_sit_anywhere_but_a_used_one_must_be_writable() -> None:
+    # PyTorch never pins an empty tensor, so an empty step_info "in pinned host memory" for a
+    # CUDA capture is an unpinned CPU tensor (the H200 run of 2026-12-04 failed on it). It
+    # admits no request, so nothing ever writes it; one with rows must still be reachable.
+    from r3capture.kernels._common import GatherPackArgumentError, check_static_args
+
+    def on_meta(shape, dtype=torch.int32):
+        return torch.zeros(shape, dtype=dtype, device="meta")  # a device other than the CPU
+
+    args = dict(
+        capture=on_meta((8, 2, 2)),
+        table_row=on_meta(4),
+        slot_table=on_meta((5, 4)),
+        block_window=on_meta((5, 2)),
+        dest=on_meta((4, 4, 2, 2), torch.uint8),
+        hash_block=None,
+        num_slots=None,
+    )
+    empty = torch.zeros((0, 3), dtype=torch.int32)
+    assert check_static_args(**args, step_info=empty).max_requests == 0
+    with pytest.raises(GatherPackArgumentError, match="step_info must be on the capture's"):
+        check_static_args(**args, step_info=torch.zeros((2, 3), dtype=torch.int32))
