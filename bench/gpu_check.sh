@@ -61,12 +61,12 @@ stage install 40 "$PY" -m pip install --no-deps --no-build-isolation --no-index 
 from r3capture.kernels import can_write_host_directly
 print("direct host writes:", can_write_host_directly("cuda"))'
 # Only the suites with gpu tests: others need vLLM or hypothesis, which this image lacks.
-stage pytest_gpu 120 "$PY" -m pytest -m gpu -q -p no:cacheprovider \
+stage pytest_gpu 100 "$PY" -m pytest -m gpu -q -p no:cacheprovider \
     tests/kernels tests/bench tests/aux_output/test_worker_gpu.py \
     --junitxml="$OUT/pytest_gpu.xml" -rs
 stage gpu_host_step 150 env PYTHONUNBUFFERED=1 "$PY" -m bench.gpu_host_step --rounds 2 --out "$OUT"
-stage kernel_bench 130 env PYTHONUNBUFFERED=1 "$PY" -m bench.kernel_bench --out "$OUT"
-stage nvml_profile 50 "$PY" -m bench.nvml_profile --out "$OUT"
+stage kernel_bench 90 env PYTHONUNBUFFERED=1 "$PY" -m bench.kernel_bench --out "$OUT"
+stage nvml_profile 150 "$PY" -m bench.nvml_profile --out "$OUT"
 
 tail -n 3 "$OUT/pytest_gpu.log" | sed 's/^/pytest: /' | tee -a "$SUMMARY"
 exit "$status"

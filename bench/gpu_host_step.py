@@ -9,22 +9,26 @@ This benchmark times the real thing on a GPU, on the same trace families
                      launch) and ``enqueue_cpu_copy`` (copy of ``step_info``) on the main
                      thread; ``process_output`` after the step's copy event
   r3capture-staging  the same with device staging and one copy of the step's rows
-  vllm-gpu-path      a torch-only rendering of vLLM 0.33.0's GPU path on the same steps (vLLM
-                     is not on the GPU machine): ``prepare_output`` is the snapshot cast of
-                     every scheduled row to the narrow dtype (a new device tensor),
-                     ``enqueue_cpu_copy`` its ``.to("cpu", non_blocking=True)``. vLLM's Python
-                     bookkeeping around them (``begin_step``, the pending list, the lock) is
-                     not in it: this side is a lower bound of vLLM's main thread
-                     (``bench/host_step`` measures that bookkeeping on a CPU).
+  vllm-gpu-path      a torch-only rendering of vLLM 0.33.0's GPU path (vLLM is not on the GPU
+                     machine), driven by the same simulator: ``prepare_output`` is the
+                     snapshot cast of every scheduled row to the narrow dtype (a new device
+                     tensor), ``enqueue_cpu_copy`` its ``.to("cpu", non_blocking=True)``.
+                     vLLM's Python bookkeeping around them (``begin_step``, the pending list,
+                     the lock, ``process_output``'s commit) is not in it: this side is a lower
+                     bound of vLLM's main thread (``bench/host_step`` measures that
+                     bookkeeping on a CPU).
 
-Both sides run ``enqueue_cpu_copy`` as Model Runner V2 does: on a copy stream that waited
-for the main stream, followed by a blocking event that the output side synchronizes
+Every side runs inside the simulator (``sim/``), which computes each step's rows between
+the calls, as an engine runs a forward between them: caches are as cold for one side as for
+the other (a tight loop of launches alone would flatter whichever side it timed). Both run
+``enqueue_cpu_copy`` as Model Runner V2 does: on a copy stream that waited for the main
+stream, followed by a blocking event that the output side synchronizes
 (``sim/copy_stream.py``). Every call is timed by wall clock and by the calling thread's CPU
 clock; the kernel, the copies and the waits for the event are not in any call. Each side
-runs in its own fresh process, rounds alternated (r3capture first in odd rounds); each
-r3capture process first runs a short trace of its own so that Triton's compilation is not
-in a timed step, and checks every request of every timed trace against the routing oracle
-after the run. The vLLM side replays the step sizes the r3capture process saw.
+runs in its own fresh process, rounds alternated (the order reversed every other round);
+each process first runs a short trace of its own so that Triton's compilation and the first
+allocations are not in a timed step. r3capture's rows are checked against the routing
+oracle after every timed trace.
 
     python -m bench.gpu_host_step [--families F,...] [--model NAME] [--rounds N] [--out DIR]
 
@@ -34,7 +38,6 @@ Without CUDA it exits with code 3 and one line saying so.
 from __future__ import annotations
 
 import argparse
-import functools
 import json
 import subprocess
 import sys
@@ -102,25 +105,30 @@ def timed_r3capture_factory(
         handle = make_r3capture_worker(
             sizes, kernel_impl=kernel_impl, device=device, destination=destination
         )
-        worker = handle.worker
-        begin, prepare = worker.begin_step, worker.prepare_output
-        state = {"step": -1}
-
-        def begin_step(metadata: Any) -> None:
-            state["step"] += 1
-            steps.append((0, 0))
-            times.timed("begin_step", state["step"], begin, metadata)
-
-        def prepare_output(batch: Any, **kwargs: Any) -> Any:
-            step = state["step"]
-            steps[step] = (int(batch.query_start_loc_np[batch.num_reqs]), batch.num_reqs)
-            pending = times.timed("prepare_output", step, prepare, batch, **kwargs)
-            return None if pending is None else _TimedPending(pending, step, times)
-
-        worker.begin_step, worker.prepare_output = begin_step, prepare_output
+        _time_worker_calls(handle.worker, times, steps)
         return handle
 
     return factory
+
+
+def _time_worker_calls(worker: Any, times: CallTimes, steps: list[tuple[int, int]]) -> None:
+    """Replace ``worker``'s calls by timed ones; each step's (rows, requests) goes to
+    ``steps`` (index = step; (0, 0) for a step without a forward)."""
+    begin, prepare = worker.begin_step, worker.prepare_output
+    state = {"step": -1}
+
+    def begin_step(metadata: Any) -> None:
+        state["step"] += 1
+        steps.append((0, 0))
+        times.timed("begin_step", state["step"], begin, metadata)
+
+    def prepare_output(batch: Any, **kwargs: Any) -> Any:
+        step = state["step"]
+        steps[step] = (int(batch.query_start_loc_np[batch.num_reqs]), batch.num_reqs)
+        pending = times.timed("prepare_output", step, prepare, batch, **kwargs)
+        return None if pending is None else _TimedPending(pending, step, times)
+
+    worker.begin_step, worker.prepare_output = begin_step, prepare_output
 
 
 def _family_trace(family: str, model: str, seed: int) -> Any:
@@ -129,22 +137,45 @@ def _family_trace(family: str, model: str, seed: int) -> Any:
     return family_trace(family, model, DEPTH, seed)
 
 
-def run_r3capture(
-    destination: str, families: list[str], model: str, seed: int, device: str = "cuda"
-) -> dict:
-    """Time the worker on ``families``; per family the call times and the step sizes."""
-    from sim import run_trace
+class _VllmGpuPath:
+    """The GPU half of vLLM 0.33.0's worker connector, timed, as a worker the simulator can
+    drive: ``prepare_output`` casts the step's scheduled rows to the narrow dtype (a new
+    device tensor, ``snapshot_routing_data``), ``enqueue_cpu_copy`` copies that to the host
+    with ``.to("cpu", non_blocking=True)``. Only those two operations are timed. The
+    simulator also needs outputs: an untimed r3capture worker on the CPU (reference kernel,
+    a capture buffer of zeros) makes them, so the rows are not the oracle's."""
 
-    warm_up = _family_trace("decode-8", model, seed)
-    run_trace(warm_up, timed_r3capture_factory(destination, CallTimes(), [], device))
-    out = {}
-    for family in families:
-        times, steps = CallTimes(), []
-        factory = timed_r3capture_factory(destination, times, steps, device)
-        # run_trace checks every request's rows against the routing oracle after the run.
-        run_trace(_family_trace(family, model, seed), factory)
-        out[family] = {"calls": times.array(len(steps)).tolist(), "steps": steps}
-    return out
+    def __init__(self, sizes: Any, device: str, times: CallTimes, steps: list) -> None:
+        import torch
+
+        from r3capture.aux_output.worker import TritonAuxOutputWorker
+
+        self.capture_buffer = torch.zeros(
+            (sizes.max_num_batched_tokens, *sizes.shape_per_token), dtype=torch.int32,
+            device=device,
+        )  # fmt: skip
+        self._dtype = getattr(torch, sizes.dtype.name)
+        self._outputs = TritonAuxOutputWorker(sizes, device="cpu", kernel_impl="reference")
+        self._times, self._steps = times, steps
+
+    def begin_step(self, metadata: Any) -> None:
+        self._steps.append((0, 0))
+        self._outputs.begin_step(metadata)
+
+    def prepare_output(self, batch: Any, num_rejected: Any = None) -> Any:
+        step = len(self._steps) - 1
+        rows = int(batch.query_start_loc_np[len(batch.req_ids)])
+        self._steps[step] = (rows, len(batch.req_ids))
+        snapshot = self._times.timed("prepare_output", step, _cast, self.capture_buffer, rows,
+                                     self._dtype)  # fmt: skip
+        batch.query_start_loc = batch.query_start_loc.cpu()
+        batch.positions = batch.positions.cpu()
+        rejected = None if num_rejected is None else num_rejected.cpu()
+        pending = self._outputs.prepare_output(batch, num_rejected=rejected)
+        return None if pending is None else _VllmGpuPathPending(pending, snapshot, step, self)
+
+    def close(self) -> None:
+        self._outputs.close()
 
 
 def _cast(capture: Any, rows: int, dtype: Any) -> Any:
@@ -155,58 +186,66 @@ def _to_host(snapshot: Any) -> Any:
     return snapshot.to("cpu", non_blocking=True)  # vLLM's enqueue_cpu_copy
 
 
-def _timed_into(held: list, times: CallTimes, call: str, step: int, fn: Any, *args: Any) -> None:
-    held.append(times.timed(call, step, fn, *args))  # held until the step's event is waited
+class _VllmGpuPathPending:
+    """One step of ``_VllmGpuPath``: its snapshot and its host copy (timed), and the output
+    worker's pending step (untimed)."""
+
+    def __init__(self, pending: Any, snapshot: Any, step: int, path: _VllmGpuPath) -> None:
+        self._pending, self._snapshot, self._step, self._path = pending, snapshot, step, path
+        self._host: Any = None
+
+    def enqueue_cpu_copy(self, **counts: Any) -> None:
+        self._host = self._path._times.timed("enqueue_cpu_copy", self._step, _to_host,
+                                             self._snapshot)  # fmt: skip
+        self._pending.enqueue_cpu_copy(**counts)
+
+    def process_output(self) -> Any:
+        self._snapshot = self._host = None
+        return self._pending.process_output()
 
 
-def run_vllm_gpu_path(plan: dict[str, Any], model: str, device: str = "cuda") -> dict:
-    """vLLM's snapshot cast and copy on the step sizes of ``plan`` (an r3capture run), in
-    depth-2 order: step i's event is waited for (untimed) after step i+1's copy. Only
-    ``prepare_output`` and ``enqueue_cpu_copy`` are timed (see the module docstring)."""
-    import torch
+def timed_vllm_gpu_path_factory(times: CallTimes, steps: list[tuple[int, int]], device: str):
+    """Like ``timed_r3capture_factory``, for ``_VllmGpuPath``."""
+    from sim.workers import WorkerHandle
 
-    from bench.host_step_replay import model_shape
-    from sim.copy_stream import OutputCopies
+    def factory(sizes: Any) -> Any:
+        worker = _VllmGpuPath(sizes, device, times, steps)
 
-    shape = model_shape(model)
-    dtype = torch.uint8 if shape.num_experts <= 256 else torch.uint16
-    copies = OutputCopies(torch.device(device))
+        def prepare(batch: Any, num_rejected: Any) -> Any:
+            import torch
+
+            return worker.prepare_output(batch, torch.from_numpy(num_rejected.copy()))
+
+        return WorkerHandle("vllm-gpu-path", worker, worker.capture_buffer, prepare, lambda: -1)
+
+    return factory
+
+
+def run_sides(side: str, families: list[str], model: str, seed: int, device: str = "cuda") -> dict:
+    """Time one side on ``families``; per family the call times and the step sizes."""
+    from sim import run_trace
+
+    def factory(times: CallTimes, steps: list[tuple[int, int]]) -> Any:
+        if side == "vllm-gpu-path":
+            return timed_vllm_gpu_path_factory(times, steps, device)
+        return timed_r3capture_factory(side.removeprefix("r3capture-"), times, steps, device)
+
+    # Compile (or load) the kernel and warm the allocators outside the timed traces.
+    run_trace(_family_trace("decode-8", model, seed), factory(CallTimes(), []), check=False)
     out = {}
-    for family, info in plan.items():
-        steps = [tuple(s) for s in info["steps"]]
-        max_rows = max((rows for rows, _ in steps), default=1)
-        capture = torch.randint(
-            0, shape.num_experts, (max(max_rows, 1), shape.num_layers, shape.top_k),
-            dtype=torch.int32, device=device,
-        )  # fmt: skip
-        times = CallTimes()
-        in_flight: list[Any] = []
-        for step, (rows, reqs) in enumerate(steps):
-            if reqs == 0:
-                continue
-            snapshot = times.timed("prepare_output", step, _cast, capture, rows, dtype)
-            held: list[Any] = []
-
-            enqueue = functools.partial(
-                _timed_into, held, times, "enqueue_cpu_copy", step, _to_host, snapshot
-            )
-            in_flight.append(OutputCopies.after(copies.enqueue(enqueue), held.clear))
-            if len(in_flight) == DEPTH:
-                in_flight.pop(0)()
-        for process in in_flight:
-            process()
+    for family in families:
+        times, steps = CallTimes(), []
+        # r3capture's rows are checked against the routing oracle after the run; the vLLM
+        # rendering makes no outputs to check.
+        check = side != "vllm-gpu-path"
+        run_trace(_family_trace(family, model, seed), factory(times, steps), check=check)
         out[family] = {"calls": times.array(len(steps)).tolist(), "steps": steps}
     return out
 
 
 def _child(args: argparse.Namespace) -> int:
     families = args.families.split(",")
-    if args.side == "vllm-gpu-path":
-        plan = json.loads(Path(args.plan).read_text())
-        result = run_vllm_gpu_path(plan, args.model, args.device)
-    else:
-        destination = args.side.removeprefix("r3capture-")
-        result = run_r3capture(destination, families, args.model, args.seed, args.device)
+    result = run_sides(args.side, families, args.model, args.seed, args.device)
     Path(args.json).write_text(json.dumps(result))
     return 0
 
@@ -286,27 +325,20 @@ def run(
 ) -> dict:
     out.mkdir(parents=True, exist_ok=True)
     runs: dict[str, list[dict]] = {side: [] for side in SIDES}
-    plan_path = out / "gpu_host_step_plan.json"
     base = [sys.executable, "-m", "bench.gpu_host_step", "--child"]
     common = ["--families", ",".join(families), "--model", model, "--seed", str(seed)]
     common += ["--device", device]
     for round_index in range(rounds):
         order = list(SIDES) if round_index % 2 == 0 else list(reversed(SIDES))
-        if not plan_path.exists():
-            order.remove("vllm-gpu-path")
-            order.append("vllm-gpu-path")  # needs a plan from an r3capture run
         for side in order:
             result_path = out / f".gpu_host_step_{side}_{round_index}.json"
-            cmd = [*base, "--side", side, "--json", str(result_path), "--plan", str(plan_path)]
+            cmd = [*base, "--side", side, "--json", str(result_path)]
             t0 = time.perf_counter()
             subprocess.run([*cmd, *common], check=True)
             data = json.loads(result_path.read_text())
             result_path.unlink()
             runs[side].append(data)
-            if side.startswith("r3capture") and not plan_path.exists():
-                plan_path.write_text(json.dumps(data))
             print(f"round {round_index} {side}: {time.perf_counter() - t0:.1f} s", flush=True)
-    plan_path.unlink(missing_ok=True)
     summary = summarize(runs, families)
     _print(summary, families)
     from bench.common import machine_info
@@ -362,7 +394,6 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--side", choices=SIDES, help=argparse.SUPPRESS)
     parser.add_argument("--json", help=argparse.SUPPRESS)
-    parser.add_argument("--plan", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     import torch
 

@@ -359,6 +359,15 @@ def main(argv: list[str] | None = None) -> int:
 
     repo = Path(__file__).resolve().parents[1]
     rows = []
+    extra = {
+        "driver": driver,
+        "cuda": torch.version.cuda,
+        "max_num_batched_tokens": PROFILE.max_tokens,
+        "max_num_seqs": PROFILE.max_seqs,
+        "hash_block": PROFILE.block,
+        "ring_width": ring_width(PROFILE.max_tokens, PROFILE.block),
+        "memory": rows,  # one entry per (model, provider); not timings, so not Result rows
+    }
     for model in list(MODELS)[:1] if args.quick else MODELS:
         for provider in PROVIDERS:
             proc = subprocess.run(
@@ -377,16 +386,8 @@ def main(argv: list[str] | None = None) -> int:
                 f"MiB  reserved {mib['torch_peak_reserved_bytes']:8.2f} MiB  NVML "
                 f"{mib['nvml_used_delta_bytes']:8.2f} MiB ({row['nvml_source']})"
             )
-    extra = {
-        "driver": driver,
-        "cuda": torch.version.cuda,
-        "max_num_batched_tokens": PROFILE.max_tokens,
-        "max_num_seqs": PROFILE.max_seqs,
-        "hash_block": PROFILE.block,
-        "ring_width": ring_width(PROFILE.max_tokens, PROFILE.block),
-        "memory": rows,  # one entry per (model, provider); not timings, so not Result rows
-    }
-    paths = write_results("nvml_profile", [], extra=extra, out_dir=args.out)
+        # After every model: a run stopped at its time limit keeps the models it finished.
+        paths = write_results("nvml_profile", [], extra=extra, out_dir=args.out)
     print("wrote", ", ".join(str(p) for p in paths))
     return 0
 
