@@ -12,8 +12,9 @@ Per step, on the thread that launches the forward (no host synchronization, no a
    the batch's own device ``query_start_loc`` and ``positions`` and writes every accepted
    row: straight into the pinned store arena (``direct``), or into device staging in
    step-row order (``staging``);
-3. on the copy stream, the kernel's ``step_info`` (and, for staging, the step's rows) are
-   copied back into pinned host buffers, one per step in flight.
+3. ``direct``: the kernel also writes its ``step_info`` straight into pinned host memory,
+   so nothing is copied back; ``staging``: on the copy stream, ``step_info`` and the step's
+   rows are copied back into pinned host buffers. Either way one buffer per step in flight.
 
 Every view of those buffers is made once, so a step costs a handful of tensor operations.
 The same operations run on a CPU device (there the "device" tensors are host tensors), so
@@ -145,14 +146,21 @@ class DeviceSide:
             )
         ]
         self._uploaded_rows: np.ndarray | None = None
-        self._info_dev = [
-            torch.zeros((max_num_seqs, 3), dtype=torch.int32, device=self.device)
-            for _ in range(depth)
-        ]
         self._info_host = [
             torch.zeros((max_num_seqs, 3), dtype=torch.int32, pin_memory=on_cuda)
             for _ in range(depth)
         ]
+        # Direct writes put step_info where the host reads it, as they do the rows: one copy
+        # launch less on the main thread (10-12 µs of host CPU a copy on the H200,
+        # bench/RESULTS.md "On a GPU"); kernel_bench's pinned provider measured this layout.
+        self._info_dev = (
+            self._info_host
+            if destination == "direct"
+            else [
+                torch.zeros((max_num_seqs, 3), dtype=torch.int32, device=self.device)
+                for _ in range(depth)
+            ]
+        )
         self._info_np = [t.numpy() for t in self._info_host]
         self._staging_dev: list[torch.Tensor] = []
         self._staging_host: list[torch.Tensor] = []
@@ -196,9 +204,11 @@ class DeviceSide:
     @property
     def device_bytes(self) -> int:
         """Bytes of the buffers this side keeps on the device (beyond vLLM's capture buffer
-        and the store's host arena): the slot ring with its windows, the upload buffer, each
-        step's ``step_info`` and, for ``staging``, each step's staging rows."""
-        buffers = [self._upload_dev, *self._info_dev, *self._staging_dev]
+        and the store's host arena): the slot ring with its windows, the upload buffer and, for
+        ``staging``, each step's ``step_info`` and staging rows."""
+        buffers = [self._upload_dev, *self._staging_dev]
+        if self.destination == "staging":
+            buffers += self._info_dev
         if self._ring_flat is not None:
             buffers.append(self._ring_flat)
         return sum(t.numel() * t.element_size() for t in buffers)
@@ -276,16 +286,18 @@ class DeviceSide:
 
     def copy_back(self, step: LaunchedStep) -> None:
         """Start the copies of ``step``'s results into pinned host memory (copy stream, on
-        the main thread in Model Runner V2: only the copies happen here)."""
+        the main thread in Model Runner V2: only the copies happen here); ``direct``
+        needs none, its kernel wrote them there."""
         if step.num_reqs == 0:
             return
         index = step.ring_index
-        self._info_host[index].copy_(self._info_dev[index], non_blocking=True)
-        if self.destination == "staging" and step.num_rows:
-            rows = step.num_rows
-            self._staging_host[index][:rows].copy_(
-                self._staging_dev[index][:rows], non_blocking=True
-            )
+        if self.destination == "staging":
+            self._info_host[index].copy_(self._info_dev[index], non_blocking=True)
+            if step.num_rows:
+                rows = step.num_rows
+                self._staging_host[index][:rows].copy_(
+                    self._staging_dev[index][:rows], non_blocking=True
+                )
         step.copied = True
 
     def host_results(self, step: LaunchedStep) -> tuple[np.ndarray, np.ndarray | None]:

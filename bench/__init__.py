@@ -10,6 +10,8 @@ BENCHMARKS: dict[str, str] = {
     "host_ab": "bench.host_ab",
     "kernel": "bench.kernel_bench",
     "nvml": "bench.nvml_profile",
+    "gpu_host_step": "bench.gpu_host_step",
+    "gpu_parts": "bench.gpu_parts",
     "device_memory": "bench.device_memory",
     "triton_launch": "bench.triton_launch",
     "upload_bytes": "bench.upload_bytes",

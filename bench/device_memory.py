@@ -5,10 +5,11 @@
 Both connectors share vLLM's int32 capture buffer ``[max_num_batched_tokens, L, K]``; what
 each adds on the device:
 
-* r3capture: the buffers ``DeviceSide`` allocates (the slot ring with its block windows, the
-  upload buffer, ``step_info`` per step in flight), read from a worker built on the CPU with
-  the sizing ``vllm serve`` would give it (``DeviceSide.device_bytes``; the same tensors a
-  GPU worker allocates, for any model: none depends on ``L``, ``K`` or the dtype);
+* r3capture: the buffers ``DeviceSide`` allocates (the slot ring with its block windows and
+  the upload buffer; direct writes keep ``step_info`` in pinned host memory), read from a
+  worker built on the CPU with the sizing ``vllm serve`` would give it
+  (``DeviceSide.device_bytes``; the same tensors a GPU worker allocates, for any model: none
+  depends on ``L``, ``K`` or the dtype);
 * vLLM 0.33.0: the per-step snapshot its connector casts from the capture buffer,
   ``[num_tokens, L, K]`` in the row dtype, up to ``max_num_batched_tokens`` rows, one per
   step in flight until its copy to the host is done.

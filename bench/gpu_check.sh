@@ -1,19 +1,31 @@
 #!/usr/bin/env bash
 # Everything r3capture checks on a GPU, in one run, results in one folder.
 #
-#   bash bench/gpu_check.sh [OUT_DIR]        (default bench/results/gpu)
+#   bash bench/gpu_check.sh [OUT_DIR [STAGE...]]     (default bench/results/gpu, every stage)
 #
 # Made for the project's H200 image (python3.12, torch 2.11, triton 3.6.0, nvidia-ml-py,
-# pytest; no vLLM, no internet): installs r3capture offline from this checkout, runs the
-# gpu-marked tests, the main-thread host cost of the real path against vLLM's GPU path
-# (bench/gpu_host_step.py), the kernel microbenchmark (direct-to-pinned against staging + one
-# copy, against vLLM's cast + copy) and the NVML memory profile. Each stage has its own time
-# limit so the whole run stays under 8 minutes; a failing stage does not stop the later ones. Exit status: 0 when every stage passed, 1 when one failed, 2 when there is
-# no usable GPU (checked first, in seconds; nothing is installed or written then).
+# pytest; no vLLM, no internet): installs r3capture offline from this checkout, then runs
+# the stages pytest_gpu (the gpu-marked tests), gpu_host_step (main-thread host cost of the
+# real path against vLLM's GPU path), gpu_parts (where that time goes, and each device
+# operation's host cost), kernel_bench (direct-to-pinned against staging + one copy, against
+# vLLM's cast + copy) and nvml_profile (device memory); naming stages runs only those. Each
+# stage has its own time limit so a whole run stays under 8 minutes; a failing stage does
+# not stop the later ones. Exit status: 0 when every stage run passed, 1 when one failed, 2
+# when there is no usable GPU or an unknown stage was named (checked first, in seconds;
+# nothing is installed or written then).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT="${1:-bench/results/gpu}"
 PY="${PYTHON:-python3}"
+ALL_STAGES="pytest_gpu gpu_host_step gpu_parts kernel_bench nvml_profile"
+STAGES="${*:2}"
+for name in $STAGES; do
+    case " $ALL_STAGES " in
+    *" $name "*) ;;
+    *) echo "gpu_check: unknown stage '$name'; known: $ALL_STAGES" >&2; exit 2 ;;
+    esac
+done
+STAGES="${STAGES:-$ALL_STAGES}"
 
 gpu=$(timeout 60 "$PY" -c 'import sys
 try:
@@ -37,6 +49,10 @@ status=0
 stage() {  # stage NAME LIMIT_SECONDS COMMAND...
     local name="$1" limit="$2"
     shift 2
+    case " install imports $STAGES " in
+    *" $name "*) ;;
+    *) echo "$name: not run (not named)" | tee -a "$SUMMARY"; return 0 ;;
+    esac
     local t0=$SECONDS
     timeout "$limit" "$@" > "$OUT/$name.log" 2>&1
     local rc=$?
@@ -64,9 +80,10 @@ print("direct host writes:", can_write_host_directly("cuda"))'
 stage pytest_gpu 100 "$PY" -m pytest -m gpu -q -p no:cacheprovider \
     tests/kernels tests/bench tests/aux_output/test_worker_gpu.py \
     --junitxml="$OUT/pytest_gpu.xml" -rs
-stage gpu_host_step 150 env PYTHONUNBUFFERED=1 "$PY" -m bench.gpu_host_step --rounds 2 --out "$OUT"
+stage gpu_host_step 200 env PYTHONUNBUFFERED=1 "$PY" -m bench.gpu_host_step --rounds 2 --out "$OUT"
+stage gpu_parts 60 env PYTHONUNBUFFERED=1 "$PY" -m bench.gpu_parts --out "$OUT"
 stage kernel_bench 90 env PYTHONUNBUFFERED=1 "$PY" -m bench.kernel_bench --out "$OUT"
 stage nvml_profile 150 "$PY" -m bench.nvml_profile --out "$OUT"
 
-tail -n 3 "$OUT/pytest_gpu.log" | sed 's/^/pytest: /' | tee -a "$SUMMARY"
+[ -f "$OUT/pytest_gpu.log" ] && tail -n 3 "$OUT/pytest_gpu.log" | sed 's/^/pytest: /' | tee -a "$SUMMARY"
 exit "$status"

@@ -11,7 +11,7 @@ from bench.models import KIMI_K2, MIXTRAL_8X7B
 from r3capture.aux_output.slot_planner import ring_widths
 
 
-def test_device_bytes_are_the_narrow_ring_upload_and_step_info() -> None:
+def test_device_bytes_are_the_narrow_ring_and_upload() -> None:
     seqs = 1024
     width, device_width = ring_widths(dm.MAX_NUM_BATCHED_TOKENS, dm.HASH_BLOCK, dm.DEPTH)
     assert device_width < width  # the device keeps one step's blocks, the host all unbound
@@ -19,9 +19,9 @@ def test_device_bytes_are_the_narrow_ring_upload_and_step_info() -> None:
     blocks_per_step = dm.MAX_NUM_BATCHED_TOKENS // dm.HASH_BLOCK + seqs
     lookahead = 256 // dm.HASH_BLOCK
     upload = (seqs + 2 * (blocks_per_step + seqs * (2 + lookahead))) * 4
-    step_info = dm.DEPTH * seqs * 3 * 4
     got = dm.r3capture_device_bytes(KIMI_K2, seqs)
-    assert got == ring + upload + step_info
+    # step_info is not among them: direct writes put it in pinned host memory.
+    assert got == ring + upload
     # Nothing r3capture keeps on the device depends on the model's rows.
     assert dm.r3capture_device_bytes(MIXTRAL_8X7B, seqs) == got
 

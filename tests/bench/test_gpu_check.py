@@ -38,3 +38,41 @@ def test_stops_at_once_without_a_gpu(tmp_path: Path, python: str, reason: str) -
     assert reason in proc.stderr and "nothing was run" in proc.stderr
     assert proc.stdout == ""
     assert not out.exists()
+
+
+def test_an_unknown_stage_is_refused_before_anything_runs(tmp_path: Path) -> None:
+    out = tmp_path / "results"
+    proc = subprocess.run(
+        ["bash", str(SCRIPT), str(out), "gpu_parts", "kernel_benchh"],
+        cwd=tmp_path, capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert proc.returncode == 2
+    assert proc.stderr.startswith("gpu_check: unknown stage 'kernel_benchh'; known: ")
+    assert not out.exists()
+
+
+def test_named_stages_run_alone_and_the_rest_say_so(tmp_path: Path) -> None:
+    # A stand-in interpreter that "sees a GPU" and succeeds at every command it is given,
+    # logging them: what the script runs, not what the stages measure.
+    calls = tmp_path / "calls"
+    fake = tmp_path / "python3"
+    fake.write_text(f'#!/bin/sh\necho "$*" >> {calls}\necho "Fake GPU"\n')
+    fake.chmod(0o755)
+    out = tmp_path / "results"
+    proc = subprocess.run(
+        ["bash", str(SCRIPT), str(out), "gpu_parts", "nvml_profile"],
+        env={**os.environ, "PYTHON": str(fake)},
+        cwd=tmp_path, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    summary = (out / "summary.txt").read_text().splitlines()
+    verdicts = {line.split(":")[0]: line.split(":", 1)[1].strip() for line in summary}
+    assert list(verdicts) == [
+        "install", "imports", "pytest_gpu", "gpu_host_step", "gpu_parts", "kernel_bench",
+        "nvml_profile",
+    ]  # fmt: skip
+    ran = {name for name, verdict in verdicts.items() if verdict.startswith("ok")}
+    assert ran == {"install", "imports", "gpu_parts", "nvml_profile"}
+    assert all(verdicts[name] == "not run (not named)" for name in verdicts.keys() - ran)
+    modules = [line.split()[1] for line in calls.read_text().splitlines() if line.startswith("-m")]
+    assert modules == ["pip", "bench.gpu_parts", "bench.nvml_profile"]

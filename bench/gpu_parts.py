@@ -1,0 +1,236 @@
+"""Where r3capture's main-thread time goes on a GPU, and what each device operation costs.
+
+Two measurements, thread CPU of the calling thread:
+
+* ``parts``: the worker (direct destination, real Triton launch) in ``bench/gpu_host_step``'s
+  harness (the simulator, async depth 2), with its parts timed inside ``prepare_output`` and
+  ``enqueue_cpu_copy``: the batch layout, the launcher's per-step checks, slot planning,
+  re-attaching launches, the upload (host packing, then its device operations) and the
+  launch. Each step's sum per part; p50 and total over the forward steps. The timers add
+  about a µs per part; the calls' own times are ``bench/gpu_host_step``'s.
+* ``ops``: each torch or CUDA operation the two paths issue per step, alone, on buffers of a
+  step's size: p50 of 2,000 calls (the device drained every 50, outside the timing).
+
+    python -m bench.gpu_parts [--families F,...] [--out DIR] [--device cpu]
+
+``--device cpu`` dry-runs both (the reference kernel; CPU tensors). Without CUDA and without
+``--device cpu`` it exits with code 3 and one line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from collections import defaultdict
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from bench.common import RESULTS_DIR
+from bench.gpu_host_step import NO_CUDA_EXIT, CallTimes, _family_trace, timed_r3capture_factory
+
+FAMILIES = ("decode-256", "prefill", "spec-k3")
+OP_CALLS, OP_WARMUP, OP_BATCH = 2000, 100, 50
+
+
+class PartTimes:
+    """Thread-CPU ns per (part, step); the step is set by the caller."""
+
+    def __init__(self) -> None:
+        self.step = -1
+        self.ns: dict[str, dict[int, int]] = defaultdict(lambda: defaultdict(int))
+
+    def wrap(self, owner: Any, name: str, part: str) -> Callable[[], None]:
+        """Time every call of ``owner.name`` as ``part``; returns the undo."""
+        original = getattr(owner, name)
+        clock = time.thread_time_ns
+
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            start = clock()
+            try:
+                return original(*args, **kwargs)
+            finally:
+                self.ns[part][self.step] += clock() - start
+
+        setattr(owner, name, timed)
+        return lambda: setattr(owner, name, original)
+
+
+def _part_targets() -> list[tuple[Any, str, str]]:
+    import importlib
+
+    from r3capture.aux_output import device_side, request_book, slot_planner
+
+    gather_pack = importlib.import_module("r3capture.kernels.gather_pack")  # not the function
+
+    return [
+        (request_book.RequestBook, "layout_of", "layout_of"),
+        (request_book.RequestBook, "_checked_shape", "launcher checks"),
+        (slot_planner.SlotPlanner, "take_slots", "take_slots"),
+        (request_book.RequestBook, "_attach", "attach"),
+        (device_side.DeviceSide, "_upload", "upload (host + device)"),
+        (device_side, "device_upload", "upload: device copy + scatter"),
+        (gather_pack.GatherPackLaunch, "launch_checked", "launch"),
+        (device_side.DeviceSide, "copy_back", "copy_back"),
+    ]
+
+
+def measure_parts(family: str, model: str, seed: int, device: str) -> dict:
+    """Per part: p50 / p90 / total µs over the forward steps of one run of ``family``."""
+    from sim import run_trace
+
+    run_trace(
+        _family_trace("decode-8", model, seed),
+        timed_r3capture_factory("direct", CallTimes(), [], device),
+        check=False,
+    )
+    parts = PartTimes()
+    times, steps = CallTimes(), []
+    base = timed_r3capture_factory("direct", times, steps, device)
+
+    def factory(sizes: Any) -> Any:
+        handle = base(sizes)
+        begin = handle.worker.begin_step
+
+        def begin_step(metadata: Any) -> None:
+            parts.step += 1
+            begin(metadata)
+
+        handle.worker.begin_step = begin_step
+        return handle
+
+    undo = [parts.wrap(*target) for target in _part_targets()]
+    try:
+        run_trace(_family_trace(family, model, seed), factory)
+    finally:
+        for restore in reversed(undo):
+            restore()
+    forward = [i for i, (_, reqs) in enumerate(steps) if reqs]
+    calls = times.array(len(steps))
+    out: dict[str, Any] = {"steps": len(forward)}
+    for index, call in enumerate(("prepare_output", "enqueue_cpu_copy")):
+        out[call] = _stats(calls[1 + index, forward, 1])
+    for part, per_step in parts.ns.items():
+        out[part] = _stats(np.asarray([per_step.get(i, 0) for i in forward], np.int64))
+    return out
+
+
+def _stats(ns: np.ndarray) -> dict[str, float]:
+    us = np.asarray(ns, np.float64) / 1e3
+    return {
+        "p50": round(float(np.percentile(us, 50)), 2) if us.size else 0.0,
+        "p90": round(float(np.percentile(us, 90)), 2) if us.size else 0.0,
+        "total": round(float(us.sum()), 1),
+    }
+
+
+def _op_cost(fn: Callable[[], Any], sync: Callable[[], None]) -> float:
+    """p50 thread-CPU µs of one call of ``fn``."""
+    clock = time.thread_time_ns
+    for _ in range(OP_WARMUP):
+        fn()
+    sync()
+    samples = np.empty(OP_CALLS, np.int64)
+    for i in range(OP_CALLS):
+        if i % OP_BATCH == 0:
+            sync()
+        start = clock()
+        fn()
+        samples[i] = clock() - start
+    sync()
+    return round(float(np.percentile(samples, 50)) / 1e3, 2)
+
+
+def measure_ops(device: str) -> dict[str, float]:
+    """Host cost of each per-step operation, on Qwen3-30B-A3B-sized buffers."""
+    import torch
+
+    on_cuda = device == "cuda"
+    sync = torch.cuda.synchronize if on_cuda else (lambda: None)
+    dev = torch.device(device)
+    capture = torch.zeros((8192, 48, 8), dtype=torch.int32, device=dev)
+    snapshot = capture[:256].to(torch.uint8)
+    upload_host = torch.zeros(4096, dtype=torch.int32, pin_memory=on_cuda)
+    upload_dev = torch.zeros(4096, dtype=torch.int32, device=dev)
+    ring = torch.zeros(1025 * 548, dtype=torch.int32, device=dev)
+    index32 = torch.arange(0, 64 * 97, 97, dtype=torch.int32, device=dev)
+    index64 = index32.long()
+    values = torch.ones(64, dtype=torch.int32, device=dev)
+    info_dev = torch.zeros((1024, 3), dtype=torch.int32, device=dev)
+    info_host = torch.zeros((1024, 3), dtype=torch.int32, pin_memory=on_cuda)
+    ops: dict[str, Callable[[], Any]] = {
+        "vLLM cast: capture[:256].to(uint8)": lambda: capture[:256].to(torch.uint8),
+        "vLLM copy: snapshot.to('cpu', non_blocking)": lambda: snapshot.to(
+            "cpu", non_blocking=True
+        ),
+        "upload: pinned 4 KiB H2D copy_": lambda: upload_dev.copy_(upload_host, non_blocking=True),
+        "scatter: index_put_ (int32 index, 64)": lambda: ring.index_put_((index32,), values),
+        "scatter: index_copy_ (int32 index, 64)": lambda: ring.index_copy_(0, index32, values),
+        "scatter: scatter_ (int64 index, 64)": lambda: ring.scatter_(0, index64, values),
+        "step_info D2H copy_ (1024 x 3 int32)": lambda: info_host.copy_(
+            info_dev, non_blocking=True
+        ),
+        "slice a device tensor": lambda: upload_dev[:1024],
+    }
+    if on_cuda:
+
+        def device_context() -> None:
+            with torch.cuda.device(capture.device):
+                pass
+
+        ops["torch.cuda.device(capture.device) enter + exit"] = device_context
+        ops["torch.cuda.current_stream()"] = torch.cuda.current_stream
+    costs: dict[str, Any] = {}
+    for name, fn in ops.items():
+        try:
+            costs[name] = _op_cost(fn, sync)
+        except Exception as exc:  # noqa: BLE001 - an op this torch refuses is a finding
+            costs[name] = f"{type(exc).__name__}: {exc}"[:200]
+    return costs
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--families", default=",".join(FAMILIES))
+    parser.add_argument("--model", default="Qwen3-30B-A3B")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--out", type=Path, default=RESULTS_DIR / "gpu")
+    parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
+    args = parser.parse_args(argv)
+    import torch
+
+    if args.device == "cuda" and not torch.cuda.is_available():
+        print(
+            "gpu_parts: no CUDA device here; it times real device operations "
+            "(--device cpu dry-runs it)",
+            file=sys.stderr,
+        )
+        return NO_CUDA_EXIT
+    from bench.common import machine_info
+
+    doc: dict[str, Any] = {"bench": "gpu_parts", "device": args.device, "model": args.model}
+    doc["machine"] = machine_info()
+    doc["ops_us_p50"] = measure_ops(args.device)
+    for name, us in doc["ops_us_p50"].items():
+        print(f"op   {name:50s} {us} us", flush=True)
+    doc["parts"] = {}
+    for family in args.families.split(","):
+        doc["parts"][family] = parts = measure_parts(family, args.model, args.seed, args.device)
+        for part, stats in parts.items():
+            if isinstance(stats, dict):
+                print(
+                    f"part {family:12s} {part:32s} p50 {stats['p50']:8.1f} "
+                    f"p90 {stats['p90']:8.1f} total {stats['total']:10.0f} us",
+                    flush=True,
+                )
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "gpu_parts.json").write_text(json.dumps(doc, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,39 @@
+"""bench/gpu_parts.py dry-run on the CPU: every part it times is reached, nests inside the
+call it belongs to, and the timers leave the worker as they found it."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from bench import gpu_parts
+from r3capture.aux_output.request_book import RequestBook
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="on a GPU it runs")
+def test_without_cuda_it_says_so_and_exits_3(capsys: pytest.CaptureFixture[str]) -> None:
+    assert gpu_parts.main([]) == gpu_parts.NO_CUDA_EXIT
+    assert "no CUDA device here" in capsys.readouterr().err
+
+
+def test_cpu_dry_run_times_every_part_within_its_call(tmp_path: Path) -> None:
+    layout_of = RequestBook.layout_of
+    assert gpu_parts.main(["--device", "cpu", "--families", "spec-k3", "--out", str(tmp_path)]) == 0
+    assert RequestBook.layout_of is layout_of  # unwrapped again
+    doc = json.loads((tmp_path / "gpu_parts.json").read_text())
+    ops = doc["ops_us_p50"]
+    assert ops["scatter: index_put_ (int32 index, 64)"] > 0
+    assert ops["vLLM cast: capture[:256].to(uint8)"] > 0
+    parts = doc["parts"]["spec-k3"]
+    assert parts["steps"] > 100
+    prepare, enqueue = parts["prepare_output"]["total"], parts["enqueue_cpu_copy"]["total"]
+    inside_prepare = ["layout_of", "launcher checks", "take_slots", "upload (host + device)",
+                      "launch"]  # fmt: skip
+    assert all(parts[name]["total"] > 0 for name in inside_prepare)
+    assert sum(parts[name]["total"] for name in inside_prepare) <= prepare
+    device_ops = parts["upload: device copy + scatter"]["total"]
+    assert 0 < device_ops <= parts["upload (host + device)"]["total"]
+    assert parts["copy_back"]["total"] <= enqueue
