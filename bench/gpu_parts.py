@@ -9,7 +9,9 @@ Two measurements, thread CPU of the calling thread:
   launch. Each step's sum per part; p50 and total over the forward steps. The timers add
   about a µs per part; the calls' own times are ``bench/gpu_host_step``'s.
 * ``ops``: each torch or CUDA operation the two paths issue per step, alone, on buffers of a
-  step's size: p50 of 2,000 calls (the device drained every 50, outside the timing).
+  step's size: p50 of 2,000 calls (the device drained every 50, outside the timing); on a
+  GPU also its wall time behind ~200 µs of queued GPU work (200 calls), which shows an
+  operation that waits for the device.
 
     python -m bench.gpu_parts [--families F,...] [--out DIR] [--device cpu]
 
@@ -20,6 +22,7 @@ Two measurements, thread CPU of the calling thread:
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import sys
 import time
@@ -63,6 +66,8 @@ class PartTimes:
 def _part_targets() -> list[tuple[Any, str, str]]:
     import importlib
 
+    import torch
+
     from r3capture.aux_output import device_side, request_book, slot_planner
 
     gather_pack = importlib.import_module("r3capture.kernels.gather_pack")  # not the function
@@ -74,6 +79,8 @@ def _part_targets() -> list[tuple[Any, str, str]]:
         (request_book.RequestBook, "_attach", "attach"),
         (device_side.DeviceSide, "_upload", "upload (host + device)"),
         (device_side, "device_upload", "upload: device copy + scatter"),
+        (torch.Tensor, "copy_", "Tensor.copy_ (every call)"),
+        (torch.Tensor, "index_put_", "Tensor.index_put_ (every call)"),
         (gather_pack.GatherPackLaunch, "launch_checked", "launch"),
         (device_side.DeviceSide, "copy_back", "copy_back"),
     ]
@@ -128,21 +135,31 @@ def _stats(ns: np.ndarray) -> dict[str, float]:
     }
 
 
-def _op_cost(fn: Callable[[], Any], sync: Callable[[], None]) -> float:
-    """p50 thread-CPU µs of one call of ``fn``."""
-    clock = time.thread_time_ns
+def _op_cost(
+    fn: Callable[[], Any],
+    sync: Callable[[], None],
+    clock: Callable[[], int] = time.thread_time_ns,
+    before: Callable[[], Any] | None = None,
+) -> float:
+    """p50 µs of one call of ``fn`` by ``clock``; ``before`` runs ahead of each call, untimed."""
     for _ in range(OP_WARMUP):
         fn()
     sync()
-    samples = np.empty(OP_CALLS, np.int64)
-    for i in range(OP_CALLS):
-        if i % OP_BATCH == 0:
+    calls = OP_CALLS if before is None else OP_CALLS // 10
+    samples = np.empty(calls, np.int64)
+    for i in range(calls):
+        if i % OP_BATCH == 0 or before is not None:
             sync()
+        if before is not None:
+            before()
         start = clock()
         fn()
         samples[i] = clock() - start
     sync()
     return round(float(np.percentile(samples, 50)) / 1e3, 2)
+
+
+BUSY_CYCLES = 400_000  # torch.cuda._sleep: ~200 µs of GPU time at the H200's ~2 GHz
 
 
 def measure_ops(device: str) -> dict[str, float]:
@@ -160,6 +177,11 @@ def measure_ops(device: str) -> dict[str, float]:
     index32 = torch.arange(0, 64 * 97, 97, dtype=torch.int32, device=dev)
     index64 = index32.long()
     values = torch.ones(64, dtype=torch.int32, device=dev)
+    wide32 = torch.arange(0, 1024 * 97, 97, dtype=torch.int32, device=dev)
+    wide64 = wide32.long()
+    wide_values = torch.ones(1024, dtype=torch.int32, device=dev)
+    upload_host_64k = torch.zeros(16384, dtype=torch.int32, pin_memory=on_cuda)
+    upload_dev_64k = torch.zeros(16384, dtype=torch.int32, device=dev)
     info_dev = torch.zeros((1024, 3), dtype=torch.int32, device=dev)
     info_host = torch.zeros((1024, 3), dtype=torch.int32, pin_memory=on_cuda)
     ops: dict[str, Callable[[], Any]] = {
@@ -171,6 +193,11 @@ def measure_ops(device: str) -> dict[str, float]:
         "scatter: index_put_ (int32 index, 64)": lambda: ring.index_put_((index32,), values),
         "scatter: index_copy_ (int32 index, 64)": lambda: ring.index_copy_(0, index32, values),
         "scatter: scatter_ (int64 index, 64)": lambda: ring.scatter_(0, index64, values),
+        "scatter: index_put_ (int32 index, 1024)": lambda: ring.index_put_((wide32,), wide_values),
+        "scatter: scatter_ (int64 index, 1024)": lambda: ring.scatter_(0, wide64, wide_values),
+        "upload: pinned 64 KiB H2D copy_": lambda: upload_dev_64k.copy_(
+            upload_host_64k, non_blocking=True
+        ),
         "step_info D2H copy_ (1024 x 3 int32)": lambda: info_host.copy_(
             info_dev, non_blocking=True
         ),
@@ -188,8 +215,18 @@ def measure_ops(device: str) -> dict[str, float]:
     for name, fn in ops.items():
         try:
             costs[name] = _op_cost(fn, sync)
+            if on_cuda:
+                # Wall time behind ~200 µs of queued GPU work: an operation that waits for
+                # the device takes about that long, one that only enqueues takes its CPU time.
+                busy = functools.partial(torch.cuda._sleep, BUSY_CYCLES)
+                costs[name + " | wall, GPU busy"] = _op_cost(fn, sync, time.perf_counter_ns, busy)
         except Exception as exc:  # noqa: BLE001 - an op this torch refuses is a finding
             costs[name] = f"{type(exc).__name__}: {exc}"[:200]
+    if on_cuda:
+        sleep = functools.partial(torch.cuda._sleep, BUSY_CYCLES)
+        costs["reference: torch.cuda.synchronize() | wall, GPU busy"] = _op_cost(
+            torch.cuda.synchronize, sync, time.perf_counter_ns, sleep
+        )
     return costs
 
 
