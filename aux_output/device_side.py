@@ -63,12 +63,13 @@ def device_upload(
     values: torch.Tensor | None,
 ) -> None:
     """The device work of one upload: copy the packed host buffer ``src`` into ``dst`` and,
-    when ring entries changed, scatter ``values`` into ``ring_flat`` at ``index`` (int32, on
-    the device). Two asynchronous launches on a GPU; CPU tensor operations on a CPU device,
-    where ``bench/stand_ins.py`` counts them as launches like the kernel."""
+    when ring entries changed, scatter ``values`` (int32) into ``ring_flat`` at ``index``
+    (int64, distinct), both on the device. Two asynchronous launches on a GPU; CPU tensor
+    operations on a CPU device, where ``bench/stand_ins.py`` counts them as launches like
+    the kernel."""
     dst.copy_(src, non_blocking=True)
     if index is not None:
-        ring_flat.index_put_((index,), values)
+        ring_flat.scatter_(0, index, values)
 
 
 @dataclass
@@ -122,9 +123,13 @@ class DeviceSide:
         self._max_updates = max_updates
         self._next = 0
         on_cuda = self.device.type == "cuda"
-        # int32 upload: the step's table rows [max_num_seqs], then the n changed ring
-        # entries' flat indices [n] and their values [n], packed (n <= max_updates).
-        size = max_num_seqs + 2 * max_updates
+        # int32 upload: the step's table rows [max_num_seqs], then (from an even offset)
+        # the n changed ring entries' flat indices as int64 [n] (2n int32) and their values
+        # [n], packed (n <= max_updates). int64 indices let one scatter_ apply them:
+        # index_put_ with int32 ones cost 24 µs of host CPU a call on the H200 against
+        # scatter_'s 8-12 (bench/results/gpu/gpu_parts.json).
+        self._index_at = max_num_seqs + (max_num_seqs & 1)
+        size = self._index_at + 3 * max_updates
         self._upload_host = [
             torch.zeros(size, dtype=torch.int32, pin_memory=on_cuda) for _ in range(depth)
         ]
@@ -268,10 +273,11 @@ class DeviceSide:
         if num_updates > self._max_updates:
             raise OverflowError(f"{num_updates} slot-ring updates exceed {self._max_updates}")
         host = self._upload_np[index]
-        at, values_at = self._max_seqs, self._max_seqs + num_updates
-        end = values_at + num_updates
+        at = self._index_at
+        values_at = at + 2 * num_updates
+        end = values_at + num_updates if num_updates else self._max_seqs
         host[: len(table_row)] = table_row
-        host[at:values_at] = flat
+        host[at:values_at].view(np.int64)[:] = flat
         host[values_at:end] = values
         self._uploaded_rows = table_row
         dst, sources = self._upload_prefixes[(end - 1).bit_length() - self._prefix_bits]
@@ -280,7 +286,7 @@ class DeviceSide:
             dst,
             sources[index],
             self._ring_flat,
-            dev[at:values_at] if num_updates else None,
+            dev[at:values_at].view(torch.int64) if num_updates else None,
             dev[values_at:end] if num_updates else None,
         )
 

@@ -72,9 +72,9 @@ def test_an_upload_of_as_many_ring_entries_as_sized_for_is_applied():
 @pytest.mark.parametrize(("max_num_seqs", "max_updates"), [(2, 8), (3, 6)])
 def test_every_upload_size_reaches_the_device_whole(max_num_seqs, max_updates):
     """An upload copies a power-of-two prefix of the buffer, or all of it; whatever its
-    used length (``max_num_seqs + 2 n``: both parities, every power-of-two boundary, a
-    buffer of 18 entries and one of 15, one short of a power of two), none of its entries
-    is cut off."""
+    used length (``max_num_seqs`` rounded up to even, ``+ 3 n``: both parities of
+    ``max_num_seqs``, every power-of-two boundary, buffers of 26 and 22 entries), none of
+    its entries is cut off."""
     side, _ = _make_side(max_num_seqs=max_num_seqs, max_updates=max_updates)
     for n in range(1, max_updates + 1):
         flat = list(range(16 - n, 16))

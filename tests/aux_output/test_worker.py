@@ -152,19 +152,19 @@ def test_an_upload_copies_the_shortest_power_of_two_prefix_holding_its_entries(m
     monkeypatch.setattr(device_side, "device_upload", recording)
     worker = make_worker(max_num_seqs=4, max_num_batched_tokens=64)
     size = len(worker.device_side._upload_host[0])
-    assert size == 4 + 2 * (64 // B + 4 + 4 * (2 + 256 // B))
+    assert size == 4 + 3 * (64 // B + 4 + 4 * (2 + 256 // B))  # int64 index, int32 value
     out = run_step(worker, meta({"a": 0}), [("a", 1, 0, 60)])  # one request, many blocks
     assert np.array_equal(out["a"].rows, routes(1, 0, 60).astype(np.uint8))
     out = run_step(worker, meta({"a": 60, "b": 0}), [("a", 1, 60, 1), ("b", 2, 0, 1)])
     assert np.array_equal(out["b"].rows, routes(2, 0, 1).astype(np.uint8))
     assert len(copies) == 2
     for length, source_length, updates in copies:
-        used = 4 + 2 * updates
+        used = 4 + 3 * updates
         assert updates and source_length == length
         assert used <= length and (length < 2 * used or length == size), (length, used)
     # "a" takes blocks 0..14 and the 64-block lookahead (79 slots, its 2 window entries),
-    # "b" blocks 0..64 (65 + 2): with the 4 table rows 166 and 138 entries, so 256 of 572.
-    assert copies == [(256, 256, 81), (256, 256, 67)] and size == 572
+    # "b" blocks 0..64 (65 + 2): with the 4 table rows 247 and 205 int32, so 256 of 856.
+    assert copies == [(256, 256, 81), (256, 256, 67)] and size == 856
     worker.close()
 
 

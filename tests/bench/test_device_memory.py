@@ -18,7 +18,7 @@ def test_device_bytes_are_the_narrow_ring_and_upload() -> None:
     ring = (seqs + 1) * (device_width + 2) * 4
     blocks_per_step = dm.MAX_NUM_BATCHED_TOKENS // dm.HASH_BLOCK + seqs
     lookahead = 256 // dm.HASH_BLOCK
-    upload = (seqs + 2 * (blocks_per_step + seqs * (2 + lookahead))) * 4
+    upload = (seqs + 3 * (blocks_per_step + seqs * (2 + lookahead))) * 4  # int64 indices
     got = dm.r3capture_device_bytes(KIMI_K2, seqs)
     # step_info is not among them: direct writes put it in pinned host memory.
     assert got == ring + upload

@@ -26,5 +26,6 @@ def test_main_counts_every_upload_and_copies_less_than_the_whole_buffer(tmp_path
         assert row["uploads"] > 0
         assert row["whole_buffer_bytes"] == row["uploads"] * row["buffer_bytes"]
         assert 0 < row["copied_bytes"] < row["whole_buffer_bytes"]
-    # vLLM's serving size: 1,024 table rows and 2 x (8,192 / 16 + 1,024 x 19) ring entries.
-    assert rows[1]["buffer_bytes"] == 4 * (1024 + 2 * (8192 // 16 + 1024 * (1 + 2 + 16)))
+    # vLLM's serving size: 1,024 table rows and 8,192 / 16 + 1,024 x 19 ring entries, each
+    # an int64 index and an int32 value.
+    assert rows[1]["buffer_bytes"] == 4 * (1024 + 3 * (8192 // 16 + 1024 * (1 + 2 + 16)))
