@@ -378,31 +378,41 @@ def _print(summary: dict, families: list[str]) -> None:
                 )
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--families", default=",".join(FAMILIES))
+def gpu_bench_parser(description: str, families: tuple[str, ...]) -> argparse.ArgumentParser:
+    """The options every GPU host benchmark takes."""
+    parser = argparse.ArgumentParser(description=description)
+    parser.add_argument("--families", default=",".join(families))
     parser.add_argument("--model", default="Qwen3-30B-A3B")
-    parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", type=Path, default=RESULTS_DIR / "gpu")
     parser.add_argument(
         "--device",
         choices=("cuda", "cpu"),
         default="cuda",
-        help="cpu: a dry run of every step of the benchmark (reference kernel; no GPU timings)",
+        help="cpu: a dry run of every step (reference kernel, CPU tensors; no GPU timings)",
     )
+    return parser
+
+
+def refuse_without_cuda(name: str, device: str, what: str) -> bool:
+    """True (after one line on stderr) when ``device`` is cuda and there is none."""
+    import torch
+
+    if device != "cuda" or torch.cuda.is_available():
+        return False
+    print(f"{name}: no CUDA device here; {what} (--device cpu dry-runs it)", file=sys.stderr)
+    return True
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = gpu_bench_parser(__doc__.splitlines()[0], FAMILIES)
+    parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--side", choices=SIDES, help=argparse.SUPPRESS)
     parser.add_argument("--json", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
-    import torch
-
-    if args.device == "cuda" and not torch.cuda.is_available():
-        print(
-            "gpu_host_step: no CUDA device here; it times real launches and needs a GPU "
-            "(--device cpu dry-runs it; bench/host_step times the host work on a CPU)",
-            file=sys.stderr,
-        )
+    what = "it times real launches and needs a GPU (bench/host_step times host work on a CPU)"
+    if refuse_without_cuda("gpu_host_step", args.device, what):
         return NO_CUDA_EXIT
     if args.child:
         return _child(args)

@@ -21,20 +21,24 @@ Two measurements, thread CPU of the calling thread:
 
 from __future__ import annotations
 
-import argparse
 import functools
 import json
 import sys
 import time
 from collections import defaultdict
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from bench.common import RESULTS_DIR
-from bench.gpu_host_step import NO_CUDA_EXIT, CallTimes, _family_trace, timed_r3capture_factory
+from bench.gpu_host_step import (
+    NO_CUDA_EXIT,
+    CallTimes,
+    _family_trace,
+    gpu_bench_parser,
+    refuse_without_cuda,
+    timed_r3capture_factory,
+)
 
 FAMILIES = ("decode-256", "prefill", "spec-k3")
 OP_CALLS, OP_WARMUP, OP_BATCH = 2000, 100, 50
@@ -231,21 +235,8 @@ def measure_ops(device: str) -> dict[str, float]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--families", default=",".join(FAMILIES))
-    parser.add_argument("--model", default="Qwen3-30B-A3B")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--out", type=Path, default=RESULTS_DIR / "gpu")
-    parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
-    args = parser.parse_args(argv)
-    import torch
-
-    if args.device == "cuda" and not torch.cuda.is_available():
-        print(
-            "gpu_parts: no CUDA device here; it times real device operations "
-            "(--device cpu dry-runs it)",
-            file=sys.stderr,
-        )
+    args = gpu_bench_parser(__doc__.splitlines()[0], FAMILIES).parse_args(argv)
+    if refuse_without_cuda("gpu_parts", args.device, "it times real device operations"):
         return NO_CUDA_EXIT
     from bench.common import machine_info
 
