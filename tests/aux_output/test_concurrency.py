@@ -243,3 +243,35 @@ def test_stress_step_thread_against_output_thread(tiny_switch_interval):
         assert starts[0] == 0
         assert len(rows) == num_steps
         assert np.array_equal(rows, np.stack(written[r]))
+
+
+def test_output_copies_on_a_cpu_call_enqueue_at_once_and_wait_for_nothing():
+    # On a CUDA capture buffer OutputCopies records vLLM's copy event, and process_output
+    # waits on it (the gpu tests run the simulator that way); on a CPU every copy is done
+    # when enqueue_cpu_copy returns, so nothing is recorded and nothing waits.
+    import torch
+
+    from sim.copy_stream import OutputCopies
+
+    calls = []
+    copies = OutputCopies(torch.device("cpu"))
+    assert copies.enqueue(lambda: calls.append("enqueue")) is None
+    assert calls == ["enqueue"]
+
+    def process():
+        return "outputs"
+
+    assert OutputCopies.after(None, process) is process
+
+
+def test_output_copies_wait_for_the_event_before_processing():
+    from sim.copy_stream import OutputCopies
+
+    order = []
+
+    class Event:
+        def synchronize(self):
+            order.append("wait")
+
+    run = OutputCopies.after(Event(), lambda: order.append("process") or "outputs")
+    assert order == [] and run() == "outputs" and order == ["wait", "process"]
