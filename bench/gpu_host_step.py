@@ -131,7 +131,8 @@ def _time_worker_calls(worker: Any, times: CallTimes, steps: list[tuple[int, int
     worker.begin_step, worker.prepare_output = begin_step, prepare_output
 
 
-def _family_trace(family: str, model: str, seed: int) -> Any:
+def bench_trace(family: str, model: str, seed: int) -> Any:
+    """The host-step family's simulator trace for ``model`` at async depth 2."""
     from bench.host_step_replay import family_trace
 
     return family_trace(family, model, DEPTH, seed)
@@ -231,14 +232,14 @@ def run_sides(side: str, families: list[str], model: str, seed: int, device: str
         return timed_r3capture_factory(side.removeprefix("r3capture-"), times, steps, device)
 
     # Compile (or load) the kernel and warm the allocators outside the timed traces.
-    run_trace(_family_trace("decode-8", model, seed), factory(CallTimes(), []), check=False)
+    run_trace(bench_trace("decode-8", model, seed), factory(CallTimes(), []), check=False)
     out = {}
     for family in families:
         times, steps = CallTimes(), []
         # r3capture's rows are checked against the routing oracle after the run; the vLLM
         # rendering makes no outputs to check.
         check = side != "vllm-gpu-path"
-        run_trace(_family_trace(family, model, seed), factory(times, steps), check=check)
+        run_trace(bench_trace(family, model, seed), factory(times, steps), check=check)
         out[family] = {"calls": times.array(len(steps)).tolist(), "steps": steps}
     return out
 

@@ -34,7 +34,7 @@ import numpy as np
 from bench.gpu_host_step import (
     NO_CUDA_EXIT,
     CallTimes,
-    _family_trace,
+    bench_trace,
     gpu_bench_parser,
     refuse_without_cuda,
     timed_r3capture_factory,
@@ -95,7 +95,7 @@ def measure_parts(family: str, model: str, seed: int, device: str) -> dict:
     from sim import run_trace
 
     run_trace(
-        _family_trace("decode-8", model, seed),
+        bench_trace("decode-8", model, seed),
         timed_r3capture_factory("direct", CallTimes(), [], device),
         check=False,
     )
@@ -116,7 +116,7 @@ def measure_parts(family: str, model: str, seed: int, device: str) -> dict:
 
     undo = [parts.wrap(*target) for target in _part_targets()]
     try:
-        run_trace(_family_trace(family, model, seed), factory)
+        run_trace(bench_trace(family, model, seed), factory)
     finally:
         for restore in reversed(undo):
             restore()
