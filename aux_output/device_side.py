@@ -127,7 +127,7 @@ class DeviceSide:
         # the n changed ring entries' flat indices as int64 [n] (2n int32) and their values
         # [n], packed (n <= max_updates). int64 indices let one scatter_ apply them:
         # index_put_ with int32 ones cost 24 µs of host CPU a call on the H200 against
-        # scatter_'s 8-12 (bench/results/gpu/gpu_parts.json).
+        # scatter_'s 8-12 (bench/results/gpu/run3_85cfc84/gpu_parts.json).
         self._index_at = max_num_seqs + (max_num_seqs & 1)
         size = self._index_at + 3 * max_updates
         self._upload_host = [

@@ -168,6 +168,36 @@ def timed_ns(fn: Callable[[], Any]) -> np.ndarray:
     return np.array([time.perf_counter_ns() - wall, time.process_time_ns() - cpu])
 
 
+def per_call_ns(
+    fn: Callable[[], Any],
+    sync: Callable[[], None],
+    *,
+    calls: int,
+    warmup: int,
+    batch: int,
+    clock: Callable[[], int] = time.thread_time_ns,
+    before: Callable[[], Any] | None = None,
+) -> np.ndarray:
+    """``int64 [calls]``: what each call of ``fn`` took by ``clock`` (thread CPU by default:
+    the calling thread's host work, none of the device's), after ``warmup`` untimed calls.
+    ``sync`` (wait for the device) runs every ``batch`` calls, outside the timing, so a
+    launch queue never fills; ``before`` runs ahead of every call, untimed."""
+    for _ in range(warmup):
+        fn()
+    sync()
+    samples = np.empty(calls, np.int64)
+    for i in range(calls):
+        if i % batch == 0:
+            sync()
+        if before is not None:
+            before()
+        start = clock()
+        fn()
+        samples[i] = clock() - start
+    sync()
+    return samples
+
+
 def run_interleaved(
     providers: Mapping[str, Callable[[int], Any]], *, repeats: int, warmup: int = 3
 ) -> dict[str, np.ndarray]:

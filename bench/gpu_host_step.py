@@ -173,7 +173,9 @@ class _VllmGpuPath:
         batch.positions = batch.positions.cpu()
         rejected = None if num_rejected is None else num_rejected.cpu()
         pending = self._outputs.prepare_output(batch, num_rejected=rejected)
-        return None if pending is None else _VllmGpuPathPending(pending, snapshot, step, self)
+        if pending is None:
+            return None
+        return _VllmGpuPathPending(pending, snapshot, step, self._times)
 
     def close(self) -> None:
         self._outputs.close()
@@ -191,13 +193,12 @@ class _VllmGpuPathPending:
     """One step of ``_VllmGpuPath``: its snapshot and its host copy (timed), and the output
     worker's pending step (untimed)."""
 
-    def __init__(self, pending: Any, snapshot: Any, step: int, path: _VllmGpuPath) -> None:
-        self._pending, self._snapshot, self._step, self._path = pending, snapshot, step, path
+    def __init__(self, pending: Any, snapshot: Any, step: int, times: CallTimes) -> None:
+        self._pending, self._snapshot, self._step, self._times = pending, snapshot, step, times
         self._host: Any = None
 
     def enqueue_cpu_copy(self, **counts: Any) -> None:
-        self._host = self._path._times.timed("enqueue_cpu_copy", self._step, _to_host,
-                                             self._snapshot)  # fmt: skip
+        self._host = self._times.timed("enqueue_cpu_copy", self._step, _to_host, self._snapshot)
         self._pending.enqueue_cpu_copy(**counts)
 
     def process_output(self) -> Any:
@@ -251,7 +252,8 @@ def _child(args: argparse.Namespace) -> int:
     return 0
 
 
-def _stats(per_step_us: np.ndarray) -> dict[str, float]:
+def step_stats(per_step_us: np.ndarray) -> dict[str, float]:
+    """p50, p90 and total of per-step µs, and how many steps."""
     if per_step_us.size == 0:
         return {"p50": 0.0, "p90": 0.0, "total": 0.0, "steps": 0}
     return {
@@ -276,9 +278,9 @@ def summarize(runs: dict[str, list[dict]], families: list[str]) -> dict:
                 calls_us = (
                     np.concatenate([a[:, f, index] for a, f in zip(arrays, forward)], axis=1) / 1e3
                 )
-                entry[clock] = {name: _stats(calls_us[i]) for i, name in enumerate(CALLS)}
-                entry[clock]["main"] = _stats(calls_us[: len(MAIN_CALLS)].sum(axis=0))
-                entry[clock]["gpu_path_calls"] = _stats(calls_us[1:3].sum(axis=0))
+                entry[clock] = {name: step_stats(calls_us[i]) for i, name in enumerate(CALLS)}
+                entry[clock]["main"] = step_stats(calls_us[: len(MAIN_CALLS)].sum(axis=0))
+                entry[clock]["gpu_path_calls"] = step_stats(calls_us[1:3].sum(axis=0))
             per_side[side] = entry
         theirs = per_side.get("vllm-gpu-path")
         if theirs is not None:

@@ -31,12 +31,14 @@ from typing import Any
 
 import numpy as np
 
+from bench.common import per_call_ns
 from bench.gpu_host_step import (
     NO_CUDA_EXIT,
     CallTimes,
     bench_trace,
     gpu_bench_parser,
     refuse_without_cuda,
+    step_stats,
     timed_r3capture_factory,
 )
 
@@ -124,19 +126,10 @@ def measure_parts(family: str, model: str, seed: int, device: str) -> dict:
     calls = times.array(len(steps))
     out: dict[str, Any] = {"steps": len(forward)}
     for index, call in enumerate(("prepare_output", "enqueue_cpu_copy")):
-        out[call] = _stats(calls[1 + index, forward, 1])
+        out[call] = step_stats(calls[1 + index, forward, 1] / 1e3)
     for part, per_step in parts.ns.items():
-        out[part] = _stats(np.asarray([per_step.get(i, 0) for i in forward], np.int64))
+        out[part] = step_stats(np.asarray([per_step.get(i, 0) for i in forward]) / 1e3)
     return out
-
-
-def _stats(ns: np.ndarray) -> dict[str, float]:
-    us = np.asarray(ns, np.float64) / 1e3
-    return {
-        "p50": round(float(np.percentile(us, 50)), 2) if us.size else 0.0,
-        "p90": round(float(np.percentile(us, 90)), 2) if us.size else 0.0,
-        "total": round(float(us.sum()), 1),
-    }
 
 
 def _op_cost(
@@ -145,21 +138,14 @@ def _op_cost(
     clock: Callable[[], int] = time.thread_time_ns,
     before: Callable[[], Any] | None = None,
 ) -> float:
-    """p50 µs of one call of ``fn`` by ``clock``; ``before`` runs ahead of each call, untimed."""
-    for _ in range(OP_WARMUP):
-        fn()
-    sync()
-    calls = OP_CALLS if before is None else OP_CALLS // 10
-    samples = np.empty(calls, np.int64)
-    for i in range(calls):
-        if i % OP_BATCH == 0 or before is not None:
-            sync()
-        if before is not None:
-            before()
-        start = clock()
-        fn()
-        samples[i] = clock() - start
-    sync()
+    """p50 µs of one call of ``fn`` by ``clock``; ``before`` runs ahead of each call, untimed
+    (then the device drains before every call, and a tenth of the calls are timed)."""
+    if before is None:
+        samples = per_call_ns(fn, sync, calls=OP_CALLS, warmup=OP_WARMUP, batch=OP_BATCH)
+    else:
+        samples = per_call_ns(
+            fn, sync, calls=OP_CALLS // 10, warmup=OP_WARMUP, batch=1, clock=clock, before=before
+        )
     return round(float(np.percentile(samples, 50)) / 1e3, 2)
 
 

@@ -55,7 +55,6 @@ import argparse
 import os
 import random
 import sys
-import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -72,7 +71,13 @@ if not HAS_CUDA:
 
 import triton  # noqa: E402
 
-from bench.common import RESULTS_DIR, Result, machine_info, write_results  # noqa: E402
+from bench.common import (  # noqa: E402
+    RESULTS_DIR,
+    Result,
+    machine_info,
+    per_call_ns,
+    write_results,
+)
 from bench.stand_ins import launch_stand_in  # noqa: E402
 from r3capture.aux_output.slot_planner import ring_widths  # noqa: E402
 from r3capture.kernels import (  # noqa: E402
@@ -399,18 +404,9 @@ def host_cost(
     """What one call of ``fn`` costs the calling thread, in thread-CPU µs (p50, p20, p80):
     the host work of a launch, none of the device's. Nothing waits inside the timing; the
     device drains every ``HOST_BATCH`` calls outside it, so the launch queue never fills."""
-    clock = time.thread_time_ns
-    for _ in range(HOST_WARMUP):
-        fn()
-    _synchronize(device)
-    samples = np.empty(calls, np.int64)
-    for i in range(calls):
-        if i % HOST_BATCH == 0:
-            _synchronize(device)
-        start = clock()
-        fn()
-        samples[i] = clock() - start
-    _synchronize(device)
+    samples = per_call_ns(
+        fn, lambda: _synchronize(device), calls=calls, warmup=HOST_WARMUP, batch=HOST_BATCH
+    )
     p50, p20, p80 = np.percentile(samples, [50, 20, 80]) / 1e3
     return float(p50), float(p20), float(p80)
 

@@ -252,7 +252,7 @@ class SimModelRunner:
             num_sampled,
             num_rejected,
             pending,
-            OutputCopies.after(copy_event, pending.process_output) if pending else None,
+            None if pending is None else OutputCopies.after(copy_event, pending.process_output),
         )
         if self._executor is not None and pending is not None:
             self._fill(step)
