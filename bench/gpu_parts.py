@@ -89,7 +89,19 @@ def _part_targets() -> list[tuple[Any, str, str]]:
         (torch.Tensor, "index_put_", "Tensor.index_put_ (every call)"),
         (gather_pack.GatherPackLaunch, "launch_checked", "launch"),
         (device_side.DeviceSide, "copy_back", "copy_back"),
-    ]
+    ] + _launcher_target()
+
+
+def _launcher_target() -> list[tuple[Any, str, str]]:
+    """Triton's C launcher (inside ``launch``), where CUDA has one: what of the launch is
+    Triton's and the driver's, the rest is ours."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return []
+    from triton.backends.nvidia import driver as nvidia_driver
+
+    return [(nvidia_driver.CudaLauncher, "__call__", "launch: Triton's C launcher")]
 
 
 def measure_parts(family: str, model: str, seed: int, device: str) -> dict:
@@ -201,6 +213,8 @@ def measure_ops(device: str) -> dict[str, float]:
 
         ops["torch.cuda.device(capture.device) enter + exit"] = device_context
         ops["torch.cuda.current_stream()"] = torch.cuda.current_stream
+        ops["torch.cuda.current_device()"] = torch.cuda.current_device
+        ops.update(_launch_ops(capture))
     costs: dict[str, Any] = {}
     for name, fn in ops.items():
         try:
@@ -218,6 +232,59 @@ def measure_ops(device: str) -> dict[str, float]:
             torch.cuda.synchronize, sync, time.perf_counter_ns, sleep
         )
     return costs
+
+
+def _launch_ops(capture: Any) -> dict[str, Callable[[], Any]]:
+    """One decode-256 launch of ``gather_pack`` (direct: pinned arena and step_info) as
+    ``GatherPackLaunch`` issues it, beside the way it issued it before 2026-12-04: every
+    tensor argument as a tensor, inside ``torch.cuda.device``, the stream looked up by
+    Triton's runner. Same compiled variant, same arguments."""
+    import torch
+
+    from r3capture.kernels import GatherPackLaunch
+    from r3capture.kernels.gather_pack import _gather_pack_kernel
+
+    reqs, width, block = 256, 548, 16
+    dev = capture.device
+    table_row = torch.arange(reqs, dtype=torch.int32, device=dev)
+    ring = torch.zeros((reqs + 1, width), dtype=torch.int32, device=dev)
+    # hi < lo: no request may write, so the launches leave the arena as it is.
+    window = torch.tensor([[0, -1]], dtype=torch.int32, device=dev).repeat(reqs + 1, 1)
+    arena = torch.zeros((2 * reqs, block, *capture.shape[1:]), dtype=torch.uint8, pin_memory=True)
+    info = torch.zeros((reqs, 3), dtype=torch.int32, pin_memory=True)
+    launch = GatherPackLaunch(capture, table_row, ring, window, arena, info)
+    qsl = torch.arange(reqs + 1, dtype=torch.int32, device=dev)
+    positions = torch.full((reqs,), 100, dtype=torch.int32, device=dev)
+    shape = launch.check_step(qsl, positions)
+    launch.launch_checked(shape, qsl, positions, None)  # compiles or loads the variant
+    torch.cuda.synchronize()
+    # The previous launch, rebuilt from the launcher's own tables (bench-only access).
+    (variant,) = launch._variants.values()
+    names = _gather_pack_kernel.arg_names
+    tensors = [launch._kernel_args.get(name) for name in names]
+    step_args = (
+        qsl, positions, table_row, shape.num_reqs, shape.row_limit,
+        (shape.num_reqs - 1).bit_length(), False,
+    )  # fmt: skip
+    for slot, value in zip(launch._step_slots, step_args):
+        tensors[slot] = value
+    tiles = launch._tiles
+    grid = (
+        max(-(-shape.row_limit // tiles["BLOCK_ROWS"]), -(-shape.num_reqs // tiles["BLOCK_REQS"])),
+        1,
+        1,
+    )
+
+    def before() -> None:
+        with torch.cuda.device(dev):
+            variant[grid](*tensors)
+
+    return {
+        "gather_pack decode-256: launch_checked (now)": lambda: launch.launch_checked(
+            shape, qsl, positions, None
+        ),
+        "gather_pack decode-256: tensors + device context (before)": before,
+    }
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -23,6 +23,41 @@ _CU_DEVICE_ATTRIBUTE_UNIFIED_ADDRESSING = 41
 _CU_POINTER_ATTRIBUTE_DEVICE_POINTER = 2
 
 
+def kernel_address(tensor: torch.Tensor) -> int | torch.Tensor:
+    """What a launch on ``tensor``'s device (or, for pinned host memory, on the current CUDA
+    device) may pass for ``tensor``: the address kernels use for its first element, as an
+    int, or ``tensor`` itself when the driver does not answer here (no libcuda, no current
+    context). Triton's launcher asks the driver this for every tensor argument of every
+    launch (``data_ptr()`` then ``cuPointerGetAttribute``); an int skips both. The int is
+    valid while ``tensor``'s storage lives."""
+    if tensor.is_cuda:
+        return tensor.data_ptr()
+    libcuda = _libcuda()
+    if libcuda is None or tensor.data_ptr() == 0:
+        return tensor
+    address = ctypes.c_uint64()
+    rc = libcuda.cuPointerGetAttribute(
+        ctypes.byref(address),
+        ctypes.c_int(_CU_POINTER_ATTRIBUTE_DEVICE_POINTER),
+        ctypes.c_uint64(tensor.data_ptr()),
+    )
+    if rc != 0:
+        logger.info(
+            "kernel address of a %s tensor: CUresult %d; passing the tensor", tensor.device, rc
+        )
+        return tensor
+    return address.value
+
+
+@functools.cache
+def _libcuda() -> ctypes.CDLL | None:
+    try:
+        return ctypes.CDLL("libcuda.so.1")
+    except OSError as exc:
+        logger.info("cannot load libcuda (%s)", exc)
+        return None
+
+
 def can_write_host_directly(device: torch.device | str | int | None = None) -> bool:
     """True when kernels on ``device`` (a CUDA device; None = current) can store into pinned
     host tensors passed as arguments; False on CPU-only machines, ROCm, or any probe failure.
@@ -41,10 +76,9 @@ def can_write_host_directly(device: torch.device | str | int | None = None) -> b
 
 @functools.cache
 def _probe(index: int) -> bool:
-    try:
-        libcuda = ctypes.CDLL("libcuda.so.1")
-    except OSError as exc:
-        logger.info("direct host writes disabled: cannot load libcuda (%s)", exc)
+    libcuda = _libcuda()
+    if libcuda is None:
+        logger.info("direct host writes disabled: libcuda did not load")
         return False
     with torch.cuda.device(index):
         # Makes the device's primary context current on this thread for the driver calls.

@@ -48,7 +48,7 @@ from r3capture.kernels._common import (
     check_static_args,
     check_step_args,
 )
-from r3capture.kernels._device import can_write_host_directly
+from r3capture.kernels._device import can_write_host_directly, kernel_address
 
 # Row tiles of at most 8 rows x ~4096 elements keep every specialization at ~140-167
 # registers with no spills on sm_80/sm_90 (ptxas -v; 16 or 32 rows spill for narrow rows).
@@ -402,8 +402,22 @@ class GatherPackLaunch:
             if not _interpreting():
                 self._variants = {}
                 names = _gather_pack_kernel.arg_names
-                self._positional = [self._kernel_args.get(name) for name in names]
+                # The step-independent tensors go to compiled variants as kernel addresses,
+                # resolved once: Triton's launcher would otherwise call data_ptr() and ask
+                # the driver for each of them on every launch.
+                addresses = {
+                    name: kernel_address(value)
+                    for name, value in self._kernel_args.items()
+                    if isinstance(value, torch.Tensor)
+                }
+                self._positional = [
+                    addresses.get(name, self._kernel_args.get(name)) for name in names
+                ]
                 self._step_slots = tuple(names.index(name) for name in _STEP_ARGS)
+                self._device_index = capture.device.index
+                active = triton.runtime.driver.active
+                self._current_device = active.get_current_device
+                self._current_stream = active.get_current_stream
 
     @property
     def step_info(self) -> torch.Tensor:
@@ -487,7 +501,9 @@ class GatherPackLaunch:
             (shape.num_reqs - 1).bit_length(),
             num_rejected is not None,
         )
-        if capture.is_cuda:
+        if capture.is_cuda and self._current_device() != self._device_index:
+            # Entering and leaving the device context costs ~5 µs of host CPU a launch on the
+            # H200 (bench/RESULTS.md "On a GPU"); vLLM's threads already run on it.
             with torch.cuda.device(capture.device):
                 self._launch_triton(grid, step_args)
         else:
@@ -497,7 +513,8 @@ class GatherPackLaunch:
         """Launch with ``step_args`` (``_STEP_ARGS``' values). The first launch of each
         per-step dtype combination goes through Triton's JIT, which binds and specializes
         every argument, compiles or finds the variant, and launches it; later ones launch
-        that variant directly, with the same arguments, skipping ~11 µs of host CPU per
+        that variant directly, with the same arguments (the step-independent tensors as
+        their kernel addresses) on the current stream, skipping ~11 µs of host CPU per
         launch (``bench.run triton_launch``; the JIT's choice cannot differ, as nothing
         per-step specializes the kernel; a Triton knob that changes how it compiles, such as
         ``debug``, is read by each variant's first launch only)."""
@@ -511,7 +528,9 @@ class GatherPackLaunch:
                 args = self._positional.copy()
                 for slot, value in zip(self._step_slots, step_args):
                     args[slot] = value
-                variant[(grid[0], 1, 1)](*args)
+                # The stream passed explicitly, as Triton's runner would look it up, skips
+                # its device lookup through the driver proxy.
+                variant[(grid[0], 1, 1)](*args, stream=self._current_stream(self._device_index))
                 return
         compiled = _gather_pack_kernel[grid](
             **self._kernel_args, **dict(zip(_STEP_ARGS, step_args))

@@ -8,7 +8,8 @@ in a subprocess where TRITON_INTERPRET is unset. For a run of steps with every d
 combination, request counts that Triton would specialize (1, multiples of 16) and per-step
 tensors at unaligned addresses, each step is launched both ways and the driver must receive
 the same call, from the same compiled variant (the driver gives each variant its own
-function handle, which the call carries).
+function handle, which the call carries): the step-independent tensors, which the launcher
+passes as kernel addresses resolved once, at the addresses the JIT's tensors have.
 """
 
 from __future__ import annotations
@@ -29,7 +30,9 @@ import torch
 from bench.models import MODELS
 from bench.no_gpu_driver import no_gpu_driver
 from bench.triton_launch import jit_launch, make_launch
+import importlib
 from r3capture.kernels.gather_pack import _gather_pack_kernel
+gather_pack_module = importlib.import_module("r3capture.kernels.gather_pack")  # not the function
 
 jit_runs = []
 jit_run = type(_gather_pack_kernel).run
@@ -41,10 +44,20 @@ type(_gather_pack_kernel).run = counted_run
 def same_value(x, y):
     if hasattr(x, "data") and hasattr(x, "extras"):  # launch metadata: made anew per launch
         return type(x) is type(y) and x.data == y.data and x.extras == y.extras
+    if isinstance(x, int) and torch.is_tensor(y):  # a kernel address for a tensor
+        return static_address.get(x) is y
     return x is y or (not torch.is_tensor(x) and x == y)
 
 def same(a, b):
     return len(a) == len(b) and all(same_value(x, y) for x, y in zip(a, b))
+
+# The driver's address of a CUDA tensor or a mapped pinned one; CPU tensors have none, so
+# the stand-in is data_ptr(), and every step-independent tensor must reach the driver as it.
+static_address = {}
+def stand_in_address(tensor):
+    static_address[tensor.data_ptr()] = tensor
+    return tensor.data_ptr()
+gather_pack_module.kernel_address = stand_in_address
 
 model = [m for m in MODELS if m.name == "Qwen3-30B-A3B"][0]
 steps = []
@@ -76,6 +89,8 @@ with no_gpu_driver(90, record=True) as driver:
         report["same_variant"] += any(v is variant for v in launch._variants.values())
     report["keys"] = len(launch._variants)
     report["no_launch_left"] = not driver.launches
+    report["addresses"] = len(static_address)
+    report["passed_as_addresses"] = sum(isinstance(a, int) and a in static_address for a in ours)
 print(json.dumps(report))
 """
 
@@ -100,4 +115,7 @@ def test_direct_launch_matches_tritons_jit(tmp_path) -> None:
         "launcher_jit_runs": 2 * 2 * 3,
         "keys": 2 * 2 * 3,
         "no_launch_left": True,
+        # capture, table_row, slot_table, block_window, dest, step_info
+        "addresses": 6,
+        "passed_as_addresses": 6,
     }

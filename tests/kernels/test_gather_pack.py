@@ -606,6 +606,15 @@ def test_no_direct_host_writes_without_cuda() -> None:
     assert can_write_host_directly("cuda:0") is False
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU-only answer")
+def test_a_host_tensor_without_a_driver_is_passed_as_itself() -> None:
+    # No driver to map it: the launcher keeps the tensor, and Triton's own launcher decides.
+    from r3capture.kernels._device import kernel_address
+
+    tensor = torch.zeros(8, dtype=torch.int32)
+    assert kernel_address(tensor) is tensor
+
+
 def test_an_empty_step_info_may_sit_anywhere_but_a_used_one_must_be_writable() -> None:
     # PyTorch never pins an empty tensor, so an empty step_info "in pinned host memory" for a
     # CUDA capture is an unpinned CPU tensor (the H200 run of 2026-12-04 failed on it). It

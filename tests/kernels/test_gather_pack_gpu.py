@@ -27,6 +27,7 @@ from gather_pack_cases import (
 )
 
 from r3capture.kernels import can_write_host_directly, gather_pack, gather_pack_reference
+from r3capture.kernels._device import kernel_address
 
 pytestmark = pytest.mark.gpu
 
@@ -55,6 +56,16 @@ def _device_probe() -> None:
 def test_this_gpu_writes_pinned_host_memory_directly() -> None:
     assert can_write_host_directly(torch.cuda.current_device()) is True
     assert can_write_host_directly("cpu") is False
+
+
+def test_kernel_addresses_of_device_and_pinned_tensors() -> None:
+    device = torch.zeros(64, dtype=torch.int32, device="cuda")[3:]
+    pinned = torch.zeros(64, dtype=torch.int32).pin_memory()[5:]
+    pageable = torch.zeros(64, dtype=torch.int32)
+    assert kernel_address(device) == device.data_ptr()
+    # With unified addressing the driver maps pinned memory at its host address.
+    assert kernel_address(pinned) == pinned.data_ptr()
+    assert kernel_address(pageable) is pageable  # unmapped: Triton's launcher refuses it
 
 
 @pytest.mark.parametrize("dest_place", ["device", "pinned"])
