@@ -20,7 +20,7 @@ logger = logging.getLogger(__name__)
 
 _CU_DEVICE_ATTRIBUTE_CAN_MAP_HOST_MEMORY = 19
 _CU_DEVICE_ATTRIBUTE_UNIFIED_ADDRESSING = 41
-_CU_POINTER_ATTRIBUTE_DEVICE_POINTER = 2
+_CU_POINTER_ATTRIBUTE_DEVICE_POINTER = 3
 
 
 def kernel_address(tensor: torch.Tensor) -> int | torch.Tensor:

@@ -606,6 +606,26 @@ def test_no_direct_host_writes_without_cuda() -> None:
     assert can_write_host_directly("cuda:0") is False
 
 
+def test_driver_enum_values_match_the_cuda_header_triton_ships() -> None:
+    # A wrong value asks the driver another question: attribute 2 (the memory type, 1 for
+    # host memory) once stood in for the device pointer, and kernels stored to address 1.
+    import re
+
+    import triton
+
+    from r3capture.kernels import _device
+
+    header = Path(triton.__file__).parent / "backends/nvidia/include/cuda.h"
+    text = header.read_text()
+    for name in (
+        "CU_POINTER_ATTRIBUTE_DEVICE_POINTER",
+        "CU_DEVICE_ATTRIBUTE_UNIFIED_ADDRESSING",
+        "CU_DEVICE_ATTRIBUTE_CAN_MAP_HOST_MEMORY",
+    ):
+        (value,) = re.findall(rf"\b{name}\s*=\s*(\d+)", text)
+        assert getattr(_device, "_" + name) == int(value), name
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU-only answer")
 def test_a_host_tensor_without_a_driver_is_passed_as_itself() -> None:
     # No driver to map it: the launcher keeps the tensor, and Triton's own launcher decides.
