@@ -255,7 +255,7 @@ def _launch_ops(capture: Any) -> dict[str, Callable[[], Any]]:
     launch = GatherPackLaunch(capture, table_row, ring, window, arena, info)
     qsl = torch.arange(reqs + 1, dtype=torch.int32, device=dev)
     positions = torch.full((reqs,), 100, dtype=torch.int32, device=dev)
-    shape = launch.check_step(qsl, positions)
+    shape = launch.check_step(qsl, positions, num_rows=reqs)
     launch.launch_checked(shape, qsl, positions, None)  # compiles or loads the variant
     torch.cuda.synchronize()
     # The previous launch, rebuilt from the launcher's own tables (bench-only access).
