@@ -35,18 +35,25 @@ def kernel_address(tensor: torch.Tensor) -> int | torch.Tensor:
     libcuda = _libcuda()
     if libcuda is None or tensor.data_ptr() == 0:
         return tensor
-    address = ctypes.c_uint64()
-    rc = libcuda.cuPointerGetAttribute(
-        ctypes.byref(address),
-        ctypes.c_int(_CU_POINTER_ATTRIBUTE_DEVICE_POINTER),
-        ctypes.c_uint64(tensor.data_ptr()),
-    )
+    rc, address = _mapped_address(libcuda, tensor.data_ptr())
     if rc != 0:
         logger.info(
             "kernel address of a %s tensor: CUresult %d; passing the tensor", tensor.device, rc
         )
         return tensor
-    return address.value
+    return address
+
+
+def _mapped_address(libcuda: ctypes.CDLL, host_address: int) -> tuple[int, int]:
+    """``(CUresult, device pointer)`` the driver gives for ``host_address`` in the current
+    context (the pointer is meaningful only when the result is 0)."""
+    address = ctypes.c_uint64()
+    rc = libcuda.cuPointerGetAttribute(
+        ctypes.byref(address),
+        ctypes.c_int(_CU_POINTER_ATTRIBUTE_DEVICE_POINTER),
+        ctypes.c_uint64(host_address),
+    )
+    return rc, address.value
 
 
 @functools.cache
@@ -97,12 +104,7 @@ def _probe(index: int) -> bool:
                 logger.info("direct host writes disabled: cuda:%d lacks %s", index, name)
                 return False
         probe = torch.empty(64, dtype=torch.uint8, pin_memory=True)
-        device_ptr = ctypes.c_uint64()
-        rc = libcuda.cuPointerGetAttribute(
-            ctypes.byref(device_ptr),
-            ctypes.c_int(_CU_POINTER_ATTRIBUTE_DEVICE_POINTER),
-            ctypes.c_uint64(probe.data_ptr()),
-        )
+        rc, _ = _mapped_address(libcuda, probe.data_ptr())
     if rc != 0:
         logger.info("direct host writes disabled: pinned memory is not mapped (CUresult %d)", rc)
         return False
