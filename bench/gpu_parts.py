@@ -236,9 +236,11 @@ def measure_ops(device: str) -> dict[str, float]:
 
 def _launch_ops(capture: Any) -> dict[str, Callable[[], Any]]:
     """One decode-256 launch of ``gather_pack`` (direct: pinned arena and step_info) as
-    ``GatherPackLaunch`` issues it, beside the way it issued it before 2026-12-04: every
-    tensor argument as a tensor, inside ``torch.cuda.device``, the stream looked up by
-    Triton's runner. Same compiled variant, same arguments."""
+    ``GatherPackLaunch`` issues it, beside two earlier ways: every tensor argument as a
+    tensor, inside ``torch.cuda.device``, through Triton's runner (7002e01); the
+    step-independent tensors as addresses, through Triton's runner, which builds launch
+    metadata and has its C launcher call both hook chains on every launch (3a77ad1).
+    Same compiled variant, same arguments."""
     import torch
 
     from r3capture.kernels import GatherPackLaunch
@@ -275,15 +277,25 @@ def _launch_ops(capture: Any) -> dict[str, Callable[[], Any]]:
         1,
     )
 
+    addresses = launch._positional.copy()
+    for slot, value in zip(launch._step_slots, step_args):
+        addresses[slot] = value
+
     def before() -> None:
         with torch.cuda.device(dev):
             variant[grid](*tensors)
+
+    stream = torch.cuda.current_stream(dev).cuda_stream  # looked up once: not what is timed
+
+    def through_runner() -> None:
+        variant[grid](*addresses, stream=stream)
 
     return {
         "gather_pack decode-256: launch_checked (now)": lambda: launch.launch_checked(
             shape, qsl, positions, None
         ),
-        "gather_pack decode-256: tensors + device context (before)": before,
+        "gather_pack decode-256: tensors + device context (7002e01)": before,
+        "gather_pack decode-256: addresses through Triton's runner (3a77ad1)": through_runner,
     }
 
 

@@ -528,15 +528,37 @@ class GatherPackLaunch:
                 args = self._positional.copy()
                 for slot, value in zip(self._step_slots, step_args):
                     args[slot] = value
-                # The stream passed explicitly, as Triton's runner would look it up, skips
-                # its device lookup through the driver proxy.
-                variant[(grid[0], 1, 1)](*args, stream=self._current_stream(self._device_index))
+                _launch_variant(variant, grid[0], self._current_stream(self._device_index), args)
                 return
         compiled = _gather_pack_kernel[grid](
             **self._kernel_args, **dict(zip(_STEP_ARGS, step_args))
         )
         if key is not None:
             variants[key] = compiled
+
+
+def _hooked(hook: object) -> bool:
+    """Whether a Triton launch hook (a ``HookChain``, or a callable or None in older Triton)
+    has anything to call."""
+    return hook is not None and bool(getattr(hook, "calls", True))
+
+
+def _launch_variant(variant: object, grid_0: int, stream: int, args: list) -> None:
+    """Launch compiled ``variant`` on ``(grid_0, 1, 1)`` programs: what Triton's runner
+    (``CompiledKernel.__getitem__``) does, minus the launch metadata and hook calls when no
+    launch hook is set. The runner builds that metadata on every launch and its C launcher
+    calls both hook chains, empty or not (bench/RESULTS.md "On a GPU", runs 4-7)."""
+    runtime = triton.knobs.runtime
+    enter, leave = runtime.launch_enter_hook, runtime.launch_exit_hook
+    metadata = None
+    if _hooked(enter) or _hooked(leave):
+        metadata = variant.launch_metadata((grid_0, 1, 1), stream, *args)
+    else:
+        enter = leave = None
+    variant.run(
+        grid_0, 1, 1, stream, variant.function, variant.packed_metadata, metadata, enter, leave,
+        *args,
+    )  # fmt: skip
 
 
 def _check_triton_places(capture: torch.Tensor, dest: torch.Tensor, step_info: torch.Tensor):

@@ -27,6 +27,7 @@ ROOT = Path(__file__).resolve().parents[2]
 _SCRIPT = r"""
 import json
 import torch
+import triton
 from bench.models import MODELS
 from bench.no_gpu_driver import no_gpu_driver
 from bench.triton_launch import jit_launch, make_launch
@@ -67,7 +68,12 @@ for num_reqs in (1, 5, 16, 33):
             for rejected_dtype in (None, torch.int32, torch.int64):
                 for offset in (0, 1):
                     steps.append((num_reqs, qsl_dtype, pos_dtype, rejected_dtype, offset))
-report = {"steps": 0, "same_call": 0, "same_variant": 0, "launcher_jit_runs": 0, "keys": 0}
+report = {
+    "steps": 0, "same_call": 0, "same_variant": 0, "launcher_jit_runs": 0, "keys": 0,
+    "hooked_steps": 0,
+}
+def hook(metadata):
+    pass
 with no_gpu_driver(90, record=True) as driver:
     launch, _ = make_launch(model, pass_rejected=False)
     for num_reqs, qsl_dtype, pos_dtype, rejected_dtype, offset in steps:
@@ -78,14 +84,26 @@ with no_gpu_driver(90, record=True) as driver:
         if rejected_dtype is not None:
             rejected = torch.zeros(num_reqs + offset, dtype=rejected_dtype)[offset:]
         shape = launch.check_step(qsl, positions, rejected, num_rows=num_reqs)
+        # Some steps with a launch hook set (as a profiler sets one): then the launcher must
+        # pass Triton's hooks and metadata as the JIT does; without one, none of them.
+        hooked = offset == 1 and num_reqs == 5
+        if hooked:
+            triton.knobs.runtime.launch_enter_hook.add(hook)
         before = len(jit_runs)
         launch.launch_checked(shape, qsl, positions, rejected)
-        report["launcher_jit_runs"] += len(jit_runs) - before
+        through_jit = len(jit_runs) - before
+        report["launcher_jit_runs"] += through_jit
         ours = driver.launches.pop()
         variant = jit_launch(launch, shape, qsl, positions, rejected)
         theirs = driver.launches.pop()
+        if hooked:
+            triton.knobs.runtime.launch_enter_hook.remove(hook)
+            report["hooked_steps"] += 1
+        if hooked or through_jit:
+            report["same_call"] += same(ours, theirs)
+        elif tuple(ours[6:9]) == (None, None, None):  # metadata, enter and exit hooks
+            report["same_call"] += same(ours[:6] + ours[9:], theirs[:6] + theirs[9:])
         report["steps"] += 1
-        report["same_call"] += same(ours, theirs)
         report["same_variant"] += any(v is variant for v in launch._variants.values())
     report["keys"] = len(launch._variants)
     report["no_launch_left"] = not driver.launches
@@ -113,6 +131,7 @@ def test_direct_launch_matches_tritons_jit(tmp_path) -> None:
         "same_call": steps,
         "same_variant": steps,
         "launcher_jit_runs": 2 * 2 * 3,
+        "hooked_steps": 2 * 2 * 3,
         "keys": 2 * 2 * 3,
         "no_launch_left": True,
         # capture, table_row, slot_table, block_window, dest, step_info
