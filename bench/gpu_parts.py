@@ -214,7 +214,10 @@ def measure_ops(device: str) -> dict[str, float]:
         ops["torch.cuda.device(capture.device) enter + exit"] = device_context
         ops["torch.cuda.current_stream()"] = torch.cuda.current_stream
         ops["torch.cuda.current_device()"] = torch.cuda.current_device
-        ops.update(_launch_ops(capture))
+        try:
+            ops.update(_launch_ops(capture))
+        except Exception as exc:  # noqa: BLE001 - the other operations still get timed
+            ops["gather_pack decode-256 launches"] = functools.partial(_raise, exc)
     costs: dict[str, Any] = {}
     for name, fn in ops.items():
         try:
@@ -234,17 +237,21 @@ def measure_ops(device: str) -> dict[str, float]:
     return costs
 
 
+def _raise(exc: Exception) -> None:
+    raise exc
+
+
 def _launch_ops(capture: Any) -> dict[str, Callable[[], Any]]:
-    """One decode-256 launch of ``gather_pack`` (direct: pinned arena and step_info) as
-    ``GatherPackLaunch`` issues it, beside two earlier ways: every tensor argument as a
-    tensor, inside ``torch.cuda.device``, through Triton's runner (7002e01); the
-    step-independent tensors as addresses, through Triton's runner, which builds launch
-    metadata and has its C launcher call both hook chains on every launch (3a77ad1).
-    Same compiled variant, same arguments."""
+    """One decode-256 launch of ``gather_pack`` (direct: pinned arena and step_info):
+    ``GatherPackLaunch.launch_checked`` whole, and its launch form alone beside two earlier
+    ones: every tensor argument as a tensor, inside ``torch.cuda.device``, through Triton's
+    runner (7002e01); the step-independent tensors as addresses, through Triton's runner,
+    which builds launch metadata and has its C launcher call both hook chains on every
+    launch (3a77ad1). Same compiled variant, same arguments."""
     import torch
 
     from r3capture.kernels import GatherPackLaunch
-    from r3capture.kernels.gather_pack import _gather_pack_kernel
+    from r3capture.kernels.gather_pack import _gather_pack_kernel, _launch_variant
 
     reqs, width, block = 256, 548, 16
     dev = capture.device
@@ -291,8 +298,12 @@ def _launch_ops(capture: Any) -> dict[str, Callable[[], Any]]:
         variant[grid](*addresses, stream=stream)
 
     return {
-        "gather_pack decode-256: launch_checked (now)": lambda: launch.launch_checked(
+        "gather_pack decode-256: launch_checked, whole": lambda: launch.launch_checked(
             shape, qsl, positions, None
+        ),
+        # The three launch forms alone, on arguments built once (no per-step bookkeeping).
+        "gather_pack decode-256: launcher called directly (d98628c)": lambda: _launch_variant(
+            variant, grid[0], stream, addresses
         ),
         "gather_pack decode-256: tensors + device context (7002e01)": before,
         "gather_pack decode-256: addresses through Triton's runner (3a77ad1)": through_runner,
