@@ -64,7 +64,10 @@ stage() {  # stage NAME LIMIT_SECONDS COMMAND...
 
 {
     echo "date: $(date -u +%Y-%m-%dT%H:%M:%SZ)"
+    # A copy of the tree may carry an older .git; the source digest names the tree that ran
+    # (the same command in a checkout gives the same line: bash bench/tree_digest.sh).
     echo "git: $(git rev-parse HEAD 2>/dev/null || echo 'no .git in this copy')"
+    echo "source digest: $(bash bench/tree_digest.sh)"
     nvidia-smi --query-gpu=name,driver_version,memory.total,pcie.link.gen.max,pcie.link.width.max \
         --format=csv 2>&1
     "$PY" -c 'import sys, torch, triton; print("python", sys.version.split()[0], "torch",

@@ -4,6 +4,7 @@ seconds, before installing, running or writing anything."""
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -76,3 +77,29 @@ def test_named_stages_run_alone_and_the_rest_say_so(tmp_path: Path) -> None:
     assert all(verdicts[name] == "not run (not named)" for name in verdicts.keys() - ran)
     modules = [line.split()[1] for line in calls.read_text().splitlines() if line.startswith("-m")]
     assert modules == ["pip", "bench.gpu_parts", "bench.nvml_profile"]
+
+
+def test_source_digest_names_the_tree_not_its_git(tmp_path: Path) -> None:
+    root = SCRIPT.parents[1]
+    copy = tmp_path / "copy"
+    skip = shutil.ignore_patterns("results", ".cache", "__pycache__", "*.png", "*.json")
+    for name in ("aux_output", "kernels", "store", "sim", "bench", "tests"):
+        shutil.copytree(root / name, copy / name, ignore=skip)
+    shutil.copy(root / "pyproject.toml", copy)
+
+    def digest(tree: Path) -> str:
+        proc = subprocess.run(
+            ["bash", str(tree / "bench" / "tree_digest.sh")],
+            capture_output=True, text=True, timeout=60, check=True,
+        )  # fmt: skip
+        return proc.stdout.strip()
+
+    here = digest(root)
+    assert len(here) == 16 and int(here, 16) >= 0
+    assert digest(copy) == here  # no .git in the copy: the same sources, the same digest
+    (copy / "kernels" / "__pycache__").mkdir(exist_ok=True)
+    (copy / "kernels" / "__pycache__" / "x.pyc").write_bytes(b"\0")
+    assert digest(copy) == here
+    changed = copy / "kernels" / "_device.py"
+    changed.write_text(changed.read_text() + "\n")
+    assert digest(copy) != here
