@@ -199,7 +199,7 @@ class RequestBook:
         tearing_down = self._key_work.tearing_down
         if tearing_down and not tearing_down.isdisjoint(request_ids):
             self._key_work.apply_all()  # the batch names a request that is gone: KeyError
-        rows = self.table.rows(request_ids, cache="batch")
+        rows = self.table.rows(request_ids, cache="batch", reuse="scheduled")
         if rows is not self._checked_rows:
             if len(set(request_ids)) != len(request_ids):
                 raise ValueError(f"input_batch.req_ids names a request twice: {request_ids}")

@@ -121,16 +121,20 @@ class RequestTable:
         self.emit[rows] = emit_starts
         return rows
 
-    def rows(self, request_ids: list[str], cache: str = "") -> np.ndarray:
+    def rows(self, request_ids: list[str], cache: str = "", reuse: str = "") -> np.ndarray:
         """int64 row of each id; ``KeyError`` names an id without state.
 
         With a ``cache`` name, a list equal to the one last looked up under that name, with
         no request added or removed since, returns the same array (steady decode sends the
-        same ids every step; the list comparison runs in C).
+        same ids every step; the list comparison runs in C). ``reuse`` names another cache
+        that may answer first, and is left as it is (a batch's ids are its step's scheduled
+        ids, in the scheduler's order, whenever the batch changes).
         """
-        cached = self._rows_cache.get(cache) if cache else None
-        if cached is not None and cached[0] == self.version and cached[1] == request_ids:
-            return cached[2]
+        version = self.version
+        for name in (reuse, cache):
+            cached = self._rows_cache.get(name) if name else None
+            if cached is not None and cached[0] == version and cached[1] == request_ids:
+                return cached[2]
         rows = np.fromiter(map(self.index.__getitem__, request_ids), np.int64, len(request_ids))
         if cache:
             self._rows_cache[cache] = (self.version, request_ids, rows)

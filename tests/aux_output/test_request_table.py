@@ -330,6 +330,24 @@ def test_ring_widths_keep_one_step_on_the_device():
     assert ring_widths(64, 4, 2) == (3 * 17 + 1 + 64,) * 2
 
 
+def test_rows_reuse_answers_from_another_cache_without_replacing_it():
+    table = RequestTable(ring_width=2)
+    a, b = (table.add(name, 0) for name in "ab")
+    scheduled = table.rows(["a", "b"], cache="scheduled")
+    # The batch names the scheduled ids in their order: the scheduler's array itself.
+    assert table.rows(["a", "b"], cache="batch", reuse="scheduled") is scheduled
+    # Another order: looked up, and kept under "batch" only.
+    swapped = table.rows(["b", "a"], cache="batch", reuse="scheduled")
+    assert swapped.tolist() == [b, a]
+    assert table.rows(["b", "a"], cache="batch", reuse="scheduled") is swapped
+    assert table.rows(["a", "b"], cache="scheduled") is scheduled
+    # A removal anywhere makes both stale.
+    table.remove(["b"])
+    with pytest.raises(KeyError):
+        table.rows(["a", "b"], cache="batch", reuse="scheduled")
+    assert table.rows(["a"], cache="batch", reuse="scheduled").tolist() == [a]
+
+
 def test_rows_cache_answers_only_the_same_ids_in_the_same_version():
     table = RequestTable(ring_width=2)
     a, b, c = (table.add(name, 0) for name in "abc")
