@@ -5,14 +5,13 @@ a run freed together (one eviction) comes back as the same run and is written wi
 never-used slots (from ``next_slot`` up) come after. Slots handed out by ``allocate`` are
 *unbound* until the producer binds or frees them: they are never evicted or handed out twice.
 
-The unbound slots are a set: a step hands a few slots back and forth, and the set algebra
-runs in C at any size, where numpy's fixed cost per call would dominate. What the worker's
-``allocate`` touches is numpy: it runs on the thread that launches the forward, for up to
-a whole prefill chunk of slots, so the free stack is an int64 array (slots pushed as lists
-are converted on the pushing thread, the output thread in the worker) and ``take`` builds
-its slots as one numpy range with freed slots copied over its head; ``allocate`` hands that
-array out read-only, and the set learns of its slots only when the next ``check_unbound``
-or ``settle`` needs it, on the thread that binds them.
+A list and a set, not numpy arrays: a step hands a few slots back and forth, and the set
+algebra runs in C at any size, where numpy's fixed cost per call would dominate. The one
+exception is what ``take`` returns: the worker's ``allocate`` runs on the thread that
+launches the forward, for up to a whole prefill chunk of slots, so ``take`` builds them as
+one numpy range (freed slots written over its head), ``allocate`` hands that array out
+read-only, and the set learns of its slots only when the next ``check_unbound`` or
+``settle`` needs it, on the thread that binds them.
 """
 
 from __future__ import annotations
@@ -25,9 +24,7 @@ class SlotPool:
 
     def __init__(self, physical: int) -> None:
         self.physical = physical
-        # The free stack: its first _num_free entries, oldest first; grown by doubling.
-        self._free = np.empty(0, np.int64)
-        self._num_free = 0
+        self._free: list[int] = []
         self._next_slot = 0
         self._unbound: set[int] = set()
         # Arrays handed out by ``allocate`` and not yet added to ``_unbound``, with their size.
@@ -41,7 +38,7 @@ class SlotPool:
     @property
     def num_free(self) -> int:
         """Freed slots waiting to be taken again (never-used ones not counted)."""
-        return self._num_free
+        return len(self._free)
 
     def grow(self, physical: int) -> None:
         """The arena now has ``physical`` slots (more than before)."""
@@ -49,28 +46,21 @@ class SlotPool:
 
     def push(self, slots: list[int]) -> None:
         """Return slots to the free stack, in order."""
-        top = self._num_free
-        end = top + len(slots)
-        if end > len(self._free):
-            grown = np.empty(max(end, 2 * len(self._free), 1024), np.int64)
-            grown[:top] = self._free[:top]
-            self._free = grown
-        self._free[top:end] = slots
-        self._num_free = end
+        self._free += slots
 
     def take(self, n: int) -> np.ndarray:
         """``n`` free slots (``int64 [n]``): the most recently pushed run first, in the order
         it was pushed, then never-used ones."""
-        top = self._num_free
-        reused = min(n, top)
+        free = self._free
+        reused = min(n, len(free))
         start = self._next_slot
         self._next_slot = start + n - reused
         assert self._next_slot <= self.physical, "arena overcommitted"
-        # Never-used slots by one arange, freed ones copied over its head.
+        # Never-used slots by one arange, freed ones written over its head.
         slots = np.arange(start - reused, self._next_slot, dtype=np.int64)
         if reused:
-            slots[:reused] = self._free[top - reused : top]
-            self._num_free = top - reused
+            slots[:reused] = free[len(free) - reused :]
+            del free[len(free) - reused :]
         return slots
 
     def allocate(self, n: int) -> np.ndarray:
