@@ -502,7 +502,7 @@ class GatherPackLaunch:
             num_rejected is not None,
         )
         if capture.is_cuda and self._current_device() != self._device_index:
-            # Entering and leaving the device context costs ~5 µs of host CPU a launch on the
+            # Entering and leaving the device context costs 3-5 µs of host CPU a launch on the
             # H200 (bench/RESULTS.md "On a GPU"); vLLM's threads already run on it.
             with torch.cuda.device(capture.device):
                 self._launch_triton(grid, step_args)
@@ -547,7 +547,7 @@ def _launch_variant(variant: object, grid_0: int, stream: int, args: list) -> No
     """Launch compiled ``variant`` on ``(grid_0, 1, 1)`` programs: what Triton's runner
     (``CompiledKernel.__getitem__``) does, minus the launch metadata and hook calls when no
     launch hook is set. The runner builds that metadata on every launch and its C launcher
-    calls both hook chains, empty or not (bench/RESULTS.md "On a GPU", runs 4-7)."""
+    calls both hook chains, empty or not (bench/RESULTS.md "On a GPU", runs 4-8)."""
     runtime = triton.knobs.runtime
     enter, leave = runtime.launch_enter_hook, runtime.launch_exit_hook
     metadata = None
