@@ -136,10 +136,6 @@ class DeviceSide:
         self._upload_np = [t.numpy() for t in self._upload_host]
         self._upload_dev = torch.zeros(size, dtype=torch.int32, device=self.device)
         self._table_row_dev = self._upload_dev[:max_num_seqs]
-        # The index region as int64, viewed once (an upload slices it, no view per step).
-        index_end = self._index_at + 2 * max_updates
-        self._index_dev = self._upload_dev[self._index_at : index_end].view(torch.int64)
-        self._index_np = [a[self._index_at : index_end].view(np.int64) for a in self._upload_np]
         # An upload copies the shortest of these prefixes that holds its entries: powers of
         # two from the table rows' size up, then the whole buffer (sized for every request
         # taking slots at once: 160 KiB at 1,024 sequences, where a step uses a few KiB).
@@ -281,16 +277,17 @@ class DeviceSide:
         values_at = at + 2 * num_updates
         end = values_at + num_updates if num_updates else self._max_seqs
         host[: len(table_row)] = table_row
-        self._index_np[index][:num_updates] = flat
+        host[at:values_at].view(np.int64)[:] = flat
         host[values_at:end] = values
         self._uploaded_rows = table_row
         dst, sources = self._upload_prefixes[(end - 1).bit_length() - self._prefix_bits]
+        dev = self._upload_dev
         device_upload(
             dst,
             sources[index],
             self._ring_flat,
-            self._index_dev[:num_updates] if num_updates else None,
-            self._upload_dev[values_at:end] if num_updates else None,
+            dev[at:values_at].view(torch.int64) if num_updates else None,
+            dev[values_at:end] if num_updates else None,
         )
 
     def copy_back(self, step: LaunchedStep) -> None:
