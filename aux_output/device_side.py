@@ -72,6 +72,24 @@ def device_upload(
         ring_flat.scatter_(0, index, values)
 
 
+# Distinct update counts whose upload views are kept (a few KiB of tensor views at most).
+_MAX_CACHED_COUNTS = 256
+
+
+@dataclass(frozen=True)
+class _UpdateViews:
+    """What one upload of a given number of ring entries writes and copies: the copied
+    prefix of the device buffer and its per-step pinned sources, the host slices of the
+    int64 indices (int32 pairs) and values, and their device views (None for no entries)."""
+
+    dst: torch.Tensor
+    sources: list[torch.Tensor]
+    index_host: slice
+    values_host: slice
+    index_dev: torch.Tensor | None
+    values_dev: torch.Tensor | None
+
+
 @dataclass
 class LaunchedStep:
     """What one launch left in flight: its buffer index and whether its results are being
@@ -150,6 +168,11 @@ class DeviceSide:
                 for bits in range(self._prefix_bits, (size - 1).bit_length() + 1)
             )
         ]
+        # The views one upload of n ring entries uses, made at the first upload of each n and
+        # reused: decode and prefill steps repeat a few counts, and each tensor operation a
+        # step makes costs the main thread far more than alone (its code is cold after the
+        # forward; bench/RESULTS.md, "One set of upload views per count").
+        self._update_views: dict[int, _UpdateViews] = {}
         self._uploaded_rows: np.ndarray | None = None
         self._info_host = [
             torch.zeros((max_num_seqs, 3), dtype=torch.int32, pin_memory=on_cuda)
@@ -270,25 +293,39 @@ class DeviceSide:
     ) -> None:
         flat, values = ring_updates if ring_updates is not None else ((), ())
         num_updates = len(flat)
+        views = self._update_views.get(num_updates)
+        if views is None:
+            views = self._views_for(num_updates)
+        host = self._upload_np[index]
+        host[: len(table_row)] = table_row
+        host[views.index_host].view(np.int64)[:] = flat
+        host[views.values_host] = values
+        self._uploaded_rows = table_row
+        device_upload(
+            views.dst, views.sources[index], self._ring_flat, views.index_dev, views.values_dev
+        )
+
+    def _views_for(self, num_updates: int) -> _UpdateViews:
+        """The views of an upload of ``num_updates`` ring entries (made once per count)."""
         if num_updates > self._max_updates:
             raise OverflowError(f"{num_updates} slot-ring updates exceed {self._max_updates}")
-        host = self._upload_np[index]
         at = self._index_at
         values_at = at + 2 * num_updates
         end = values_at + num_updates if num_updates else self._max_seqs
-        host[: len(table_row)] = table_row
-        host[at:values_at].view(np.int64)[:] = flat
-        host[values_at:end] = values
-        self._uploaded_rows = table_row
         dst, sources = self._upload_prefixes[(end - 1).bit_length() - self._prefix_bits]
         dev = self._upload_dev
-        device_upload(
-            dst,
-            sources[index],
-            self._ring_flat,
-            dev[at:values_at].view(torch.int64) if num_updates else None,
-            dev[values_at:end] if num_updates else None,
+        views = _UpdateViews(
+            dst=dst,
+            sources=sources,
+            index_host=slice(at, values_at),
+            values_host=slice(values_at, end if num_updates else values_at),
+            index_dev=dev[at:values_at].view(torch.int64) if num_updates else None,
+            values_dev=dev[values_at:end] if num_updates else None,
         )
+        if len(self._update_views) >= _MAX_CACHED_COUNTS:
+            self._update_views.clear()
+        self._update_views[num_updates] = views
+        return views
 
     def copy_back(self, step: LaunchedStep) -> None:
         """Start the copies of ``step``'s results into pinned host memory (copy stream, on

@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 import torch
 
+from r3capture.aux_output import device_side
 from r3capture.aux_output.device_side import DeviceSide, pick_destination
 from r3capture.aux_output.errors import AuxOutputProtocolError
 
@@ -83,10 +84,31 @@ def test_every_upload_size_reaches_the_device_whole(max_num_seqs, max_updates):
         assert side._ring_flat[flat].tolist() == values, n
 
 
+@pytest.mark.parametrize("max_cached_counts", [256, 2])
+def test_uploads_repeating_a_count_reach_the_device_from_every_step_buffer(
+    max_cached_counts, monkeypatch
+):
+    """The views of an upload are made once per entry count and reused: counts that repeat,
+    alternate between the two step buffers of depth 2 and come back after the cache of
+    views was emptied (a bound of 2 counts) still land whole, table rows included."""
+    monkeypatch.setattr(device_side, "_MAX_CACHED_COUNTS", max_cached_counts)
+    side, _ = _make_side(max_num_seqs=3, max_updates=6, depth=2)
+    for step, n in enumerate([2, 2, 5, 2, 1, 5, 6, 2, 1, 1]):
+        flat = list(range(16 - n, 16))
+        values = [100 * step + i for i in range(n)]
+        rows = np.array([step % 4, (step + 1) % 4], np.int64)
+        # What launch() does before the kernel, into step buffer ``step % 2``.
+        side._upload(step % 2, rows, (np.array(flat, np.int64), np.array(values, np.int64)))
+        assert side._ring_flat[flat].tolist() == values, step
+        assert side._table_row_dev[:2].tolist() == rows.tolist(), step
+    assert len(side._update_views) <= max_cached_counts
+
+
 def test_more_ring_entries_than_sized_for_are_refused():
     side, _ = _make_side(max_updates=2)
-    with pytest.raises(OverflowError, match="3 slot-ring updates exceed 2"):
-        _upload(side, [0, 1, 5], [3, 2, 1])
+    for _ in range(2):  # a refused count is never remembered as a valid one
+        with pytest.raises(OverflowError, match="3 slot-ring updates exceed 2"):
+            _upload(side, [0, 1, 5], [3, 2, 1])
 
 
 # Two requests on table rows 1 and 0 of a ring two blocks wide (slot columns, then each
