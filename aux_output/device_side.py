@@ -72,7 +72,8 @@ def device_upload(
         ring_flat.scatter_(0, index, values)
 
 
-# Distinct update counts whose upload views are kept (a few KiB of tensor views at most).
+# Distinct update counts whose upload views are kept (each holds two tensor views of the
+# upload buffer and no data of its own).
 _MAX_CACHED_COUNTS = 256
 
 
@@ -318,7 +319,7 @@ class DeviceSide:
             dst=dst,
             sources=sources,
             index_host=slice(at, values_at),
-            values_host=slice(values_at, end if num_updates else values_at),
+            values_host=slice(values_at, values_at + num_updates),
             index_dev=dev[at:values_at].view(torch.int64) if num_updates else None,
             values_dev=dev[values_at:end] if num_updates else None,
         )
