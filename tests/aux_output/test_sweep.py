@@ -1,0 +1,80 @@
+"""``python -m sim.sweep``: what a seed draws, that clean seeds pass, and that a worker
+returning one wrong byte fails the seed and the command."""
+
+from __future__ import annotations
+
+from unittest import mock
+
+import pytest
+
+from r3capture.aux_output import row_reader, slot_planner
+from r3capture.aux_output.types import AuxRequestOutput
+from sim.sweep import draw_case, main, patched_knobs, run_case
+
+pytest.importorskip("vllm.distributed.aux_output_connector.worker")
+
+
+def test_a_seed_draws_the_same_case_every_time_and_only_cases_the_worker_supports():
+    cases = [draw_case(seed) for seed in range(400)]
+    assert cases == [draw_case(seed) for seed in range(400)]
+    assert len({repr(case) for case in cases}) == 400
+    for case in cases:
+        depth = case.shape["max_concurrent_batches"]
+        drafts = case.shape["num_spec_tokens"]
+        # A narrower reattach window than the drafts of the steps in flight is refused.
+        assert case.knobs["REATTACH_TOKENS"] >= max(depth - 1, 1) * drafts
+        if depth >= 3:
+            assert case.destination != "direct"
+    # Every alternative is drawn: both sides of each threshold, both destinations.
+    assert {case.knobs["PER_REQUEST_MAX"] for case in cases} >= {0, 1000}
+    assert {case.knobs["LOOKAHEAD_TOKENS"] for case in cases} >= {1, 256}
+    assert {case.destination for case in cases} == {"auto", "staging", "direct"}
+    assert {case.interleave_seed is None for case in cases} == {True, False}
+
+
+def test_knobs_are_patched_only_for_the_run():
+    with patched_knobs({"LOOKAHEAD_TOKENS": 3, "EMIT_PER_REQUEST_MAX": 0}):
+        assert slot_planner.LOOKAHEAD_TOKENS == 3
+        assert row_reader.EMIT_PER_REQUEST_MAX == 0
+    assert slot_planner.LOOKAHEAD_TOKENS == 256
+    assert row_reader.EMIT_PER_REQUEST_MAX == 8
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_clean_seeds_pass(seed):
+    assert run_case(draw_case(seed)) is None
+
+
+def _one_flipped_byte():
+    """RowReader.emit whose first output of every step has one byte flipped."""
+    original = row_reader.RowReader.emit
+
+    def emit(self, layout, plan):
+        outputs = original(self, layout, plan)
+        for request_id, output in outputs.items():
+            rows = output.rows.copy()
+            rows.reshape(-1)[0] ^= 1
+            outputs[request_id] = AuxRequestOutput(output.token_start, rows)
+            break
+        return outputs
+
+    return mock.patch.object(row_reader.RowReader, "emit", emit)
+
+
+def test_a_wrong_byte_fails_the_seed_and_the_command(capsys):
+    with _one_flipped_byte():
+        problem = run_case(draw_case(0))
+        status = main(["--seeds", "0:2", "--stop-first"])
+    assert problem is not None and "differ" in problem
+    out = capsys.readouterr().out
+    assert status == 1
+    assert "FAILED seed 0" in out and "repeat: python -m sim.sweep --seeds 0:1" in out
+    assert "1 seeds (0:1), 1 failed" in out
+    assert main(["--seeds", "0:2"]) == 0
+
+
+def test_a_seed_range_must_name_seeds():
+    with pytest.raises(SystemExit):
+        main(["--seeds", "5:5"])
+    with pytest.raises(SystemExit):
+        main(["--seeds", "x"])
