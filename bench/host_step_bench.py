@@ -523,6 +523,11 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"unknown families, models or ablations: {unknown}")
     if args.max_num_seqs is not None and args.max_num_seqs < 1:
         parser.error(f"--max-num-seqs must be >= 1, got {args.max_num_seqs}")
+    import torch
+
+    # The replays run with one torch thread (host_step_replay); the results' machine label,
+    # made here, names this process's count.
+    torch.set_num_threads(1)
     rows, info = run(
         families=families,
         models=models,
