@@ -140,6 +140,7 @@ class RequestBook:
             reset_releases = table.release_order(table.live_rows().tolist())
             self._publisher.free(table.clear())
             self.generation = metadata.generation
+        restarts = None
         if metadata.requests:
             rows = self._rows_adding(metadata.requests)
             ahead = emit_starts > table.emit[rows]
@@ -147,6 +148,8 @@ class RequestBook:
                 # Only settled requests count: in-flight steps lag the scheduler's view.
                 ahead &= ~np.isin(rows, self._rows_in_flight())
                 require(not ahead.any(), "auxiliary output Scheduler emit cursor moved ahead")
+            if self._deferred:
+                restarts = self._resumed(rows)
         hash_rows = None
         if metadata.block_hashes:
             hash_rows = [table.index[request_id] for request_id in metadata.block_hashes]
@@ -167,7 +170,25 @@ class RequestBook:
             generation=self.generation,
             finishing=finishing,
             reset_releases=reset_releases,
+            restarts=restarts,
         )
+
+    def _resumed(self, rows: np.ndarray) -> list[int] | None:
+        """Rows of scheduled requests that finished with a step still in flight: requests
+        preempted (vLLM's scheduler reports a preemption as a finish) and resumed before
+        that step was processed, as at three or more steps in flight. They live on, and the
+        scheduler sends their block hashes again from block 0, so their keys restart.
+
+        vLLM 0.33.0's worker appends the hashes sent again after the old keys and keeps the
+        request finished: the keys of its blocks shift, and the rows it returns for those
+        blocks are other blocks' rows (``tests/aux_output/test_resumed_requests.py``)."""
+        table = self.table
+        resumed = rows[table.finished[rows]]
+        if not resumed.size:
+            return None
+        table.finished[resumed] = False
+        self._deferred -= len(resumed)
+        return resumed.tolist()
 
     def is_tracked(self, request_id: str) -> bool:
         """Whether ``request_id`` has state here (as in vLLM: a finished request whose

@@ -186,6 +186,15 @@ class RequestTable:
             return NO_KEY_OBJECTS
         return join_key_objects(map(reversed, map(self._keys.__getitem__, rows)))
 
+    def restart_keys(self, rows: Sequence[int]) -> KeyObjects:
+        """Drop every key of ``rows`` (requests resumed after a preemption, whose hashes the
+        scheduler sends again from block 0); returns them in ``release_order``."""
+        keys = self.release_order(rows)
+        for row in rows:
+            self._keys[row] = []
+        self.num_keys[np.asarray(rows, np.int64)] = 0
+        return keys
+
     # ---------------------------------------------------------------- slots
     def take_slots(
         self,

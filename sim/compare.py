@@ -139,6 +139,25 @@ def diff_results(reference: SimResult, candidate: SimResult) -> str | None:
     return None
 
 
+def only_reference_wrong(reference: SimResult, candidate: SimResult) -> bool:
+    """Whether two runs of one trace that ``diff_results`` tells apart differ because the
+    reference's rows are wrong: both ran clean, every row of the candidate is the routing
+    oracle's, and some row of the reference is not. vLLM 0.33.0's worker returns wrong rows
+    for a request resumed after a preemption while a step of its earlier run is in flight
+    (``tests/aux_output/test_resumed_requests.py``); r3capture does not follow it there."""
+    if reference.error is not None or candidate.error is not None:
+        return False
+    try:
+        candidate.check_ground_truth()
+    except AssertionError:
+        return False
+    try:
+        reference.check_ground_truth()
+    except AssertionError:
+        return True
+    return False
+
+
 def tee_factory(
     primary: Callable[[Any, Any], Any], shadow: Callable[[Any, Any], Any]
 ) -> Callable[[Any, Any], TeeSchedulerConnector]:
@@ -154,6 +173,7 @@ __all__ = [
     "TeeSchedulerConnector",
     "diff_results",
     "normalize_meta",
+    "only_reference_wrong",
     "same_error",
     "tee_factory",
 ]

@@ -27,7 +27,7 @@ from sim import (
     random_trace,
     run_trace,
 )
-from sim.compare import diff_results
+from sim.compare import diff_results, only_reference_wrong
 from sim.interleaving import EAGERNESS, DrawnInterleaving
 from sim.workers import WorkerSizing, make_r3capture_worker
 
@@ -90,12 +90,15 @@ def test_workers_agree_on_every_drawn_order_of_process_output(seed, order, depth
     both workers: their outputs and errors must agree step for step. At depth 3 the
     simulator's scheduler sometimes moves a request back below a step still in flight, and
     whether vLLM's "capture moved backwards" assertion fires depends on the order; the
-    threaded mode cannot repeat an order, so it cannot compare those runs."""
+    threaded mode cannot repeat an order, so it cannot compare those runs. Where vLLM's worker
+    returns wrong rows (a request resumed with a step of its earlier run in flight), r3capture
+    must return the routing oracle's instead."""
     trace = random_trace(seed, max_concurrent_batches=depth)
     ref = run_trace(trace, make_vllm_worker, interleave_seed=order, catch_errors=True, check=False)
     factory = r3capture_worker_factory(kernel_impl="reference", destination=destination)
     got = run_trace(trace, factory, interleave_seed=order, catch_errors=True, check=False)
-    assert diff_results(ref, got) is None, diff_results(ref, got)
+    difference = diff_results(ref, got)
+    assert difference is None or only_reference_wrong(ref, got), difference
 
 
 def test_drawn_interleaving_runs_calls_in_step_order_and_repeats_its_order():

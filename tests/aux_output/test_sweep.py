@@ -9,7 +9,7 @@ import pytest
 
 from r3capture.aux_output import row_reader, slot_planner
 from r3capture.aux_output.types import AuxRequestOutput
-from sim.sweep import draw_case, main, patched_knobs, run_case
+from sim.sweep import VLLM_WRONG, draw_case, main, patched_knobs, run_case
 
 pytest.importorskip("vllm.distributed.aux_output_connector.worker")
 
@@ -69,7 +69,7 @@ def test_a_wrong_byte_fails_the_seed_and_the_command(capsys):
     out = capsys.readouterr().out
     assert status == 1
     assert "FAILED seed 0" in out and "repeat: python -m sim.sweep --seeds 0:1" in out
-    assert "1 seeds (0:1), 1 failed" in out
+    assert "1 seeds (0:1), 1 failed, 0 where only vLLM" in out
     assert main(["--seeds", "0:2"]) == 0
 
 
@@ -78,3 +78,11 @@ def test_a_seed_range_must_name_seeds():
         main(["--seeds", "5:5"])
     with pytest.raises(SystemExit):
         main(["--seeds", "x"])
+
+
+def test_a_seed_where_only_vllm_is_wrong_passes_and_is_counted_apart(capsys):
+    # Seed 1307: a request resumed with a step of its earlier run in flight
+    # (tests/aux_output/test_resumed_requests.py).
+    assert run_case(draw_case(1307)) == VLLM_WRONG
+    assert main(["--seeds", "1307:1308"]) == 0
+    assert "1 failed" not in capsys.readouterr().out
