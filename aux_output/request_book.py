@@ -176,12 +176,14 @@ class RequestBook:
     def _resumed(self, rows: np.ndarray) -> list[int] | None:
         """Rows of scheduled requests that finished with a step still in flight: requests
         preempted (vLLM's scheduler reports a preemption as a finish) and resumed before
-        that step was processed, as at three or more steps in flight. They live on, and the
-        scheduler sends their block hashes again from block 0, so their keys restart.
+        that step was processed, which takes three or more steps in flight (pipeline
+        parallelism). They live on, and the scheduler sends their block hashes again from
+        block 0, so their keys restart.
 
-        vLLM 0.33.0's worker appends the hashes sent again after the old keys and keeps the
-        request finished: the keys of its blocks shift, and the rows it returns for those
-        blocks are other blocks' rows (``tests/aux_output/test_resumed_requests.py``)."""
+        vLLM 0.33.0's worker (whose backend refuses pipeline parallelism) would append the
+        hashes sent again after the old keys and keep the request finished: the keys of its
+        blocks shift, and the rows it returns for those blocks are other blocks' rows
+        (``tests/aux_output/test_resumed_requests.py``)."""
         table = self.table
         resumed = rows[table.finished[rows]]
         if not resumed.size:

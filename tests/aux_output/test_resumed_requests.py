@@ -2,16 +2,18 @@
 
 vLLM 0.33.0's scheduler reports a preemption to the auxiliary-output connector as a finish
 (``request_finished``) and may schedule the request again at the next step; its connector
-then sends the request's block hashes again from block 0. With three steps in flight (three
-pipeline stages) the worker can see the request scheduled again before it processed the
-earlier run's last step, so the request's state is still there, marked finished.
+then sends the request's block hashes again from block 0. With three steps in flight
+(pipeline parallelism with async scheduling) the worker can see the request scheduled again
+before it processed the earlier run's last step, so the request's state is still there,
+marked finished.
 
 vLLM 0.33.0's worker keeps that state: it appends the hashes sent again after the old ones
 and leaves the request finished. Its keys then name the wrong blocks, and the rows it
-returns for those blocks are other blocks' rows, silently. r3capture releases the old keys
-and starts the list again (``RequestBook._resumed``): every row matches the routing oracle,
-and everything else stays byte-identical to vLLM's outputs. ``python -m sim.sweep`` found
-both traces below (seeds 1307 and 3609 of its draws).
+returns for those blocks are other blocks' rows, silently. vLLM's own backend never meets
+this (it refuses pipeline parallelism with routed experts); r3capture's lifts that refusal.
+r3capture releases the old keys and starts the list again (``RequestBook._resumed``): every
+row matches the routing oracle, and everything else stays byte-identical to vLLM's outputs.
+``python -m sim.sweep`` found both traces below (seeds 1307 and 3609 of its draws).
 """
 
 from __future__ import annotations
