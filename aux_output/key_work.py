@@ -25,12 +25,11 @@ from r3capture.store import NO_KEY_OBJECTS, KeyObjects, join_key_objects, key_ob
 
 
 class StepKeyWork:
-    """One step's key work: ``restarts``, table rows whose keys are released and start again
-    (requests resumed after a preemption); ``hashes[i]`` (packed block hashes) of table row
-    ``rows[i]`` in ``generation``; the scheduler's pins (packed, or None) in
-    ``pin_generation``; ``releases``: keys (``KeyObjects``) released at once (a reset's);
-    ``finishing``: requests to tear down. Packed hashes hold immutable bytes, so keeping the
-    objects keeps the hashes as the scheduler sent them."""
+    """One step's key work: ``hashes[i]`` (packed block hashes) of table row ``rows[i]`` in
+    ``generation``; the scheduler's pins (packed, or None) in ``pin_generation``;
+    ``releases``: keys (``KeyObjects``) released at once (a reset's); ``finishing``:
+    requests to tear down. Packed hashes hold immutable bytes, so keeping the objects keeps
+    the hashes as the scheduler sent them."""
 
     __slots__ = (
         "pins_retained",
@@ -41,7 +40,6 @@ class StepKeyWork:
         "generation",
         "releases",
         "finishing",
-        "restarts",
     )
 
     def __init__(self, pins_retained: Any, pins_released: Any, pin_generation: int) -> None:
@@ -53,7 +51,6 @@ class StepKeyWork:
         self.generation = pin_generation
         self.releases: list[KeyObjects] = []
         self.finishing: list[str] = []
-        self.restarts: list[int] = []
 
 
 class KeyWorkQueue:
@@ -80,18 +77,16 @@ class KeyWorkQueue:
         generation: int,
         finishing: list[str],
         reset_releases: KeyObjects | None,
-        restarts: list[int] | None = None,
     ) -> None:
         """Record ``begin_step``'s key work: the packed hashes of ``metadata.block_hashes``
         for table rows ``hash_rows`` in ``generation``, its pins in ``pin_generation``, the
-        requests ``finishing``, the rows whose keys restart (``restarts``). With a reset's
-        ``reset_releases`` the work is applied now, after all recorded before it. A step
-        without key work (a decode step where no request completes a block) records nothing:
-        building its ``StepKeyWork`` was part of the main-thread cost ``bench/RESULTS.md``
-        measures in ``host_ab/begin_step``."""
+        requests ``finishing``. With a reset's ``reset_releases`` the work is applied now,
+        after all recorded before it. A step without key work (a decode step where no
+        request completes a block) records nothing: building its ``StepKeyWork`` was part of
+        the main-thread cost ``bench/RESULTS.md`` measures in ``host_ab/begin_step``."""
         retained, released = metadata.retained_block_hashes, metadata.released_block_hashes
         if reset_releases is None and not (
-            hash_rows or finishing or restarts or _has_hashes(retained) or _has_hashes(released)
+            hash_rows or finishing or _has_hashes(retained) or _has_hashes(released)
         ):
             return
         work = StepKeyWork(retained, released, pin_generation)
@@ -100,7 +95,6 @@ class KeyWorkQueue:
             work.hashes = list(metadata.block_hashes.values())
             work.generation = generation
         work.finishing = finishing
-        work.restarts = restarts or []
         if reset_releases is None:
             self.record(work)
             return
@@ -130,9 +124,6 @@ class KeyWorkQueue:
         finished requests are torn down."""
         table = self._table
         retains = []
-        # Released in the same store call as the keys sent again are retained, after them:
-        # a block both name is never unreferenced in between.
-        restarted = table.restart_keys(work.restarts) if work.restarts else NO_KEY_OBJECTS
         if work.rows:
             rows, counts = key_rows_of_requests(work.hashes, work.generation)
             keys = key_objects(rows)
@@ -142,7 +133,6 @@ class KeyWorkQueue:
         # it meets, and the table's are those later calls hand back. (Retains commute.)
         retains.append(key_objects(key_rows_of(work.pins_retained, work.pin_generation)))
         releases = [
-            restarted,
             key_objects(key_rows_of(work.pins_released, work.pin_generation)),
             *work.releases,
         ]

@@ -140,16 +140,15 @@ class RequestBook:
             reset_releases = table.release_order(table.live_rows().tolist())
             self._publisher.free(table.clear())
             self.generation = metadata.generation
-        restarts = None
         if metadata.requests:
             rows = self._rows_adding(metadata.requests)
+            if self._deferred and self._detach_resumed(metadata.requests, rows):
+                rows = self._rows_adding(metadata.requests)
             ahead = emit_starts > table.emit[rows]
             if np.count_nonzero(ahead):
                 # Only settled requests count: in-flight steps lag the scheduler's view.
                 ahead &= ~np.isin(rows, self._rows_in_flight())
                 require(not ahead.any(), "auxiliary output Scheduler emit cursor moved ahead")
-            if self._deferred:
-                restarts = self._resumed(rows)
         hash_rows = None
         if metadata.block_hashes:
             hash_rows = [table.index[request_id] for request_id in metadata.block_hashes]
@@ -170,27 +169,34 @@ class RequestBook:
             generation=self.generation,
             finishing=finishing,
             reset_releases=reset_releases,
-            restarts=restarts,
         )
 
-    def _resumed(self, rows: np.ndarray) -> list[int] | None:
-        """Rows of scheduled requests that finished with a step still in flight: requests
-        preempted (vLLM's scheduler reports a preemption as a finish) and resumed before
-        that step was processed, which takes three or more steps in flight (pipeline
-        parallelism). They live on, and the scheduler sends their block hashes again from
-        block 0, so their keys restart.
+    def _detach_resumed(self, requests: dict[str, int], rows: np.ndarray) -> bool:
+        """Detach the rows of scheduled requests that finished with a step still in flight
+        (``rows``: the requests' rows, int64 ``[R]``); whether there were any.
 
-        vLLM 0.33.0's worker (whose backend refuses pipeline parallelism) would append the
-        hashes sent again after the old keys and keep the request finished: the keys of its
-        blocks shift, and the rows it returns for those blocks are other blocks' rows
-        (``tests/aux_output/test_resumed_requests.py``)."""
+        Those are requests preempted (vLLM's scheduler reports a preemption as a finish)
+        and resumed before the worker processed the last step of their earlier run: with a
+        KV connector whose hand-off must be delivered, the scheduler drops that run's output
+        and may resume the request at once, and at three or more steps in flight (pipeline
+        parallelism) the worker still has a step of it to process. The scheduler treats the
+        resumed request as new (its emit start, its block hashes sent again from block 0,
+        its first step at its prefix hit), so it gets a new row; the earlier run's row
+        lives on, unnamed, until its steps settle.
+
+        vLLM 0.33.0's worker (whose backend refuses pipeline parallelism) keeps the earlier
+        run's state: it appends the hashes sent again after the old ones, so its keys name
+        other blocks and it returns their rows, or the resumed run's first capture fails
+        its cursors (``tests/aux_output/test_resumed_requests.py``).
+        """
         table = self.table
-        resumed = rows[table.finished[rows]]
+        resumed = table.finished[rows].nonzero()[0]
         if not resumed.size:
-            return None
-        table.finished[resumed] = False
-        self._deferred -= len(resumed)
-        return resumed.tolist()
+            return False
+        request_ids = list(requests)
+        for i in resumed.tolist():
+            table.detach(request_ids[i])
+        return True
 
     def is_tracked(self, request_id: str) -> bool:
         """Whether ``request_id`` has state here (as in vLLM: a finished request whose
@@ -350,9 +356,11 @@ class RequestBook:
             return
         self._deferred -= len(done)
         request_ids = [layout.request_ids[i] for i in done.tolist()]
-        self._publisher.publish(release_keys=table.release_order(rows[done].tolist()))
+        done_rows = rows[done].tolist()
+        self._publisher.publish(release_keys=table.release_order(done_rows))
         self._publisher.flush()
-        self._publisher.free(table.remove(request_ids))
+        # By row: a resumed request's id names its new row (``_detach_resumed``).
+        self._publisher.free(table.remove(request_ids, done_rows))
 
     def close(self) -> None:
         self.store.close()

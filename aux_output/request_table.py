@@ -140,9 +140,24 @@ class RequestTable:
             self._rows_cache[cache] = (self.version, request_ids, rows)
         return rows
 
-    def remove(self, request_ids: Sequence[str]) -> np.ndarray:
-        """Drop requests; returns their unbound slots (int64) for the caller to free."""
-        rows = [self.index.pop(request_id) for request_id in request_ids]
+    def detach(self, request_id: str) -> None:
+        """Unname a request's row: the row keeps its state until ``remove_rows`` (a request
+        resumed after a preemption while steps of its earlier run are in flight; the
+        earlier run's row lives until they settle), and the id may be added again."""
+        del self.index[request_id]
+        self.version += 1
+
+    def remove(self, request_ids: Sequence[str], rows: Sequence[int] | None = None) -> np.ndarray:
+        """Drop requests: ``request_ids``, or with ``rows`` the requests at ``rows[i]`` (ids
+        ``request_ids[i]``; a detached row's id, which may name a newer row, stays named).
+        Returns their unbound slots (int64) for the caller to free."""
+        index = self.index
+        if rows is None:
+            rows = [index.pop(request_id) for request_id in request_ids]
+        else:
+            for request_id, row in zip(request_ids, rows):
+                if index.get(request_id) == row:
+                    del index[request_id]
         self.version += 1
         taken = np.asarray(rows, np.int64)
         slots = self.unbound_slots(taken)
@@ -185,15 +200,6 @@ class RequestTable:
         if not rows:
             return NO_KEY_OBJECTS
         return join_key_objects(map(reversed, map(self._keys.__getitem__, rows)))
-
-    def restart_keys(self, rows: Sequence[int]) -> KeyObjects:
-        """Drop every key of ``rows`` (requests resumed after a preemption, whose hashes the
-        scheduler sends again from block 0); returns them in ``release_order``."""
-        keys = self.release_order(rows)
-        for row in rows:
-            self._keys[row] = []
-        self.num_keys[np.asarray(rows, np.int64)] = 0
-        return keys
 
     # ---------------------------------------------------------------- slots
     def take_slots(

@@ -139,18 +139,20 @@ def diff_results(reference: SimResult, candidate: SimResult) -> str | None:
     return None
 
 
-def only_reference_wrong(reference: SimResult, candidate: SimResult) -> bool:
+def only_reference_fails(reference: SimResult, candidate: SimResult) -> bool:
     """Whether two runs of one trace that ``diff_results`` tells apart differ because the
-    reference's rows are wrong: both ran clean, every row of the candidate is the routing
-    oracle's, and some row of the reference is not. vLLM 0.33.0's worker returns wrong rows
-    for a request resumed after a preemption while a step of its earlier run is in flight
+    reference failed: the candidate ran clean with every row the routing oracle's, and the
+    reference raised or returned some other row. vLLM 0.33.0's worker does either for a
+    request resumed after a preemption while a step of its earlier run is in flight
     (``tests/aux_output/test_resumed_requests.py``); r3capture does not follow it there."""
-    if reference.error is not None or candidate.error is not None:
+    if candidate.error is not None:
         return False
     try:
         candidate.check_ground_truth()
     except AssertionError:
         return False
+    if reference.error is not None:
+        return True
     try:
         reference.check_ground_truth()
     except AssertionError:
@@ -173,7 +175,7 @@ __all__ = [
     "TeeSchedulerConnector",
     "diff_results",
     "normalize_meta",
-    "only_reference_wrong",
+    "only_reference_fails",
     "same_error",
     "tee_factory",
 ]

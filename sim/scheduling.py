@@ -128,7 +128,7 @@ class SimScheduler:
             allocated = kv.allocate_slots(request, n, num_lookahead_tokens=k)
             while not allocated:
                 victim = self.running.pop()
-                self.queues.preempt(victim)
+                self.queues.preempt(victim, drop_stale_output=cfg.kv_delivery)
                 preempted = True
                 if victim is request:
                     break
@@ -168,6 +168,11 @@ class SimScheduler:
                     continue
                 kv.cache_blocks(request, request.num_computed_tokens)
                 request.status = WAITING
+            if request.num_stale_output_tokens and not request.drop_stale_output:
+                # As vLLM 0.33.0: a preempted request resumes only once the output it still
+                # has in flight is delivered, which could fill a position it would resample.
+                index += 1
+                continue
             hit_blocks: list[Any] = []
             local = external = 0
             if request.num_computed_tokens == 0:

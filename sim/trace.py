@@ -51,7 +51,10 @@ class EngineConfig:
     leaves out ``max_cache_hit``/``cap_external_hit`` (to reach the store's fail-closed
     path). ``max_bytes=None`` sizes the store like vLLM (``num_gpu_blocks`` KV blocks).
     ``pad_tokens_to`` pads each step like a CUDA graph (extra garbage rows + one padded
-    request in ``query_start_loc_np``).
+    request in ``query_start_loc_np``). ``kv_delivery`` stands for a KV connector whose
+    hand-off must be delivered (vLLM's ``requires_kv_delivery``, a producer role): a
+    preempted request's output still in flight is then dropped, and the request may be
+    scheduled again while it is.
     """
 
     block_size: int = 16
@@ -69,6 +72,7 @@ class EngineConfig:
     cap_hits: bool = True
     max_bytes: int | None = None
     pad_tokens_to: int = 0
+    kv_delivery: bool = False
 
 
 @dataclass(frozen=True)

@@ -27,7 +27,7 @@ from sim import (
     random_trace,
     run_trace,
 )
-from sim.compare import diff_results, only_reference_wrong
+from sim.compare import diff_results, only_reference_fails
 from sim.interleaving import EAGERNESS, DrawnInterleaving
 from sim.workers import WorkerSizing, make_r3capture_worker
 
@@ -98,7 +98,7 @@ def test_workers_agree_on_every_drawn_order_of_process_output(seed, order, depth
     factory = r3capture_worker_factory(kernel_impl="reference", destination=destination)
     got = run_trace(trace, factory, interleave_seed=order, catch_errors=True, check=False)
     difference = diff_results(ref, got)
-    assert difference is None or only_reference_wrong(ref, got), difference
+    assert difference is None or only_reference_fails(ref, got), difference
 
 
 def test_drawn_interleaving_runs_calls_in_step_order_and_repeats_its_order():

@@ -30,6 +30,7 @@ def test_a_seed_draws_the_same_case_every_time_and_only_cases_the_worker_support
     assert {case.knobs["LOOKAHEAD_TOKENS"] for case in cases} >= {1, 256}
     assert {case.destination for case in cases} == {"auto", "staging", "direct"}
     assert {case.interleave_seed is None for case in cases} == {True, False}
+    assert {case.shape["kv_delivery"] for case in cases} == {True, False}
 
 
 def test_knobs_are_patched_only_for_the_run():
@@ -69,7 +70,7 @@ def test_a_wrong_byte_fails_the_seed_and_the_command(capsys):
     out = capsys.readouterr().out
     assert status == 1
     assert "FAILED seed 0" in out and "repeat: python -m sim.sweep --seeds 0:1" in out
-    assert "1 seeds (0:1), 1 failed, 0 where only vLLM" in out
+    assert "1 seeds (0:1), 1 failed, 0 where only vLLM fails" in out
     assert main(["--seeds", "0:2"]) == 0
 
 
@@ -80,9 +81,11 @@ def test_a_seed_range_must_name_seeds():
         main(["--seeds", "x"])
 
 
-def test_a_seed_where_only_vllm_is_wrong_passes_and_is_counted_apart(capsys):
-    # Seed 1307: a request resumed with a step of its earlier run in flight
-    # (tests/aux_output/test_resumed_requests.py).
-    assert run_case(draw_case(1307)) == VLLM_WRONG
-    assert main(["--seeds", "1307:1308"]) == 0
-    assert "1 failed" not in capsys.readouterr().out
+def test_a_seed_where_only_vllm_fails_passes_and_is_counted_apart(capsys):
+    # Seed 370: a request resumed with a step of its earlier run in flight, under a KV
+    # connector that must deliver (tests/aux_output/test_resumed_requests.py).
+    case = draw_case(370)
+    assert case.shape["kv_delivery"] and case.shape["max_concurrent_batches"] == 3
+    assert run_case(case) == VLLM_WRONG
+    assert main(["--seeds", "370:371"]) == 0
+    assert "1 seeds (370:371), 0 failed, 1 where only vLLM fails" in capsys.readouterr().out
