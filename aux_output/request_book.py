@@ -30,6 +30,7 @@ from r3capture.aux_output.row_reader import RowReader
 from r3capture.aux_output.sizing import WorkerSizing, require_int
 from r3capture.aux_output.slot_planner import SlotPlanner, lookahead_blocks, ring_widths
 from r3capture.aux_output.step_commit import StepLayout, check_not_overwritten, commit_step
+from r3capture.aux_output.steps_in_flight import StepsInFlight
 from r3capture.aux_output.types import AuxOutputConnectorMetadata, AuxRequestOutput
 from r3capture.kernels import GatherPackArgumentError, GatherPackShape
 from r3capture.store import BlockStore
@@ -90,8 +91,7 @@ class RequestBook:
         )
         # Steps launched and not yet settled, oldest first; finished requests whose teardown
         # waits for them.
-        self._in_flight: list[StepLayout] = []
-        self._deferred = 0
+        self._steps = StepsInFlight(self.table)
 
     def make_device_side(self, capture_buffer: torch.Tensor, kernel_impl: str) -> DeviceSide:
         """The device half, sized from this book; the book launches through it."""
@@ -142,26 +142,19 @@ class RequestBook:
             self.generation = metadata.generation
         if metadata.requests:
             rows = self._rows_adding(metadata.requests)
-            if self._deferred and self._detach_resumed(metadata.requests, rows):
-                rows = self._rows_adding(metadata.requests)
+            if self._steps.detach_resumed(metadata.requests, rows):
+                rows = self._rows_adding(metadata.requests)  # new rows for resumed requests
             ahead = emit_starts > table.emit[rows]
             if np.count_nonzero(ahead):
                 # Only settled requests count: in-flight steps lag the scheduler's view.
-                ahead &= ~np.isin(rows, self._rows_in_flight())
+                ahead &= ~np.isin(rows, self._steps.rows())
                 require(not ahead.any(), "auxiliary output Scheduler emit cursor moved ahead")
         hash_rows = None
         if metadata.block_hashes:
             hash_rows = [table.index[request_id] for request_id in metadata.block_hashes]
         finishing = []
         if metadata.finished_requests:
-            in_flight = set(self._rows_in_flight().tolist())
-            for request_id in metadata.finished_requests:
-                row = table.index[request_id]
-                table.finished[row] = True
-                if row in in_flight:
-                    self._deferred += 1  # torn down by the last of its steps in flight
-                else:
-                    finishing.append(request_id)
+            finishing = self._steps.finish(metadata.finished_requests)
         key_work.add_step(
             metadata,
             pin_generation=pin_generation,
@@ -170,33 +163,6 @@ class RequestBook:
             finishing=finishing,
             reset_releases=reset_releases,
         )
-
-    def _detach_resumed(self, requests: dict[str, int], rows: np.ndarray) -> bool:
-        """Detach the rows of scheduled requests that finished with a step still in flight
-        (``rows``: the requests' rows, int64 ``[R]``); whether there were any.
-
-        Those are requests preempted (vLLM's scheduler reports a preemption as a finish)
-        and resumed before the worker processed the last step of their earlier run: with a
-        KV connector whose hand-off must be delivered, the scheduler drops that run's output
-        and may resume the request at once, and at three or more steps in flight (pipeline
-        parallelism) the worker still has a step of it to process. The scheduler treats the
-        resumed request as new (its emit start, its block hashes sent again from block 0,
-        its first step at its prefix hit), so it gets a new row; the earlier run's row
-        lives on, unnamed, until its steps settle.
-
-        vLLM 0.33.0's worker (whose backend refuses pipeline parallelism) keeps the earlier
-        run's state: it appends the hashes sent again after the old ones, so its keys name
-        other blocks and it returns their rows, or the resumed run's first capture fails
-        its cursors (``tests/aux_output/test_resumed_requests.py``).
-        """
-        table = self.table
-        resumed = table.finished[rows].nonzero()[0]
-        if not resumed.size:
-            return False
-        request_ids = list(requests)
-        for i in resumed.tolist():
-            table.detach(request_ids[i])
-        return True
 
     def is_tracked(self, request_id: str) -> bool:
         """Whether ``request_id`` has state here (as in vLLM: a finished request whose
@@ -269,7 +235,7 @@ class RequestBook:
             num_rejected=num_rejected,
             num_rows=num_rows,
         )
-        self._in_flight.append(layout)
+        self._steps.add(layout)
         return launched
 
     def _checked_shape(
@@ -291,12 +257,6 @@ class RequestBook:
         and make the kernel's destination the store's current arena."""
         self.device_side.attach(self.table.device_ring(), self._arena_blocks())
         self._detached = False
-
-    def _rows_in_flight(self) -> np.ndarray:
-        """Table rows of every request with a step in flight (int64, with repeats)."""
-        if not self._in_flight:
-            return np.empty(0, np.int64)
-        return np.concatenate([layout.rows for layout in self._in_flight])
 
     def _arena_blocks(self) -> torch.Tensor:
         """The store arena as ``[slots, B, L, K]`` of the row dtype (a view, no copy)."""
@@ -325,8 +285,8 @@ class RequestBook:
         )
         if staged_rows is not None:
             self._reader.place_staged(layout, step_info, staged_rows)
-        elif len(self._in_flight) > 2:  # depth >= 3: two or more later steps in flight
-            check_not_overwritten(layout, plan, self._in_flight)
+        elif len(self._steps) > 2:  # depth >= 3: two or more later steps in flight
+            check_not_overwritten(layout, plan, self._steps.layouts)
         # Copy emitted rows out before any slot can be bound (and later reused).
         outputs = self._reader.emit(layout, plan)
         # Publish the whole step before materializing: a hit may need a block from it.
@@ -346,21 +306,11 @@ class RequestBook:
     def settle(self, layout: StepLayout, *, teardown: bool) -> None:
         """The step is no longer in flight; with ``teardown``, requests that finished while
         it was tear down now (their keys released, their slots freed)."""
-        table = self.table
-        rows = layout.rows
-        self._in_flight.remove(layout)
-        if not teardown or not self._deferred:
-            return
-        done = (table.finished[rows] & ~np.isin(rows, self._rows_in_flight())).nonzero()[0]
-        if not done.size:
-            return
-        self._deferred -= len(done)
-        request_ids = [layout.request_ids[i] for i in done.tolist()]
-        done_rows = rows[done].tolist()
-        self._publisher.publish(release_keys=table.release_order(done_rows))
-        self._publisher.flush()
-        # By row: a resumed request's id names its new row (``_detach_resumed``).
-        self._publisher.free(table.remove(request_ids, done_rows))
+        request_ids, rows = self._steps.settle(layout, teardown=teardown)
+        if request_ids:
+            self._publisher.publish(release_keys=self.table.release_order(rows))
+            self._publisher.flush()
+            self._publisher.free(self.table.remove(request_ids, rows))
 
     def close(self) -> None:
         self.store.close()

@@ -122,14 +122,11 @@ class RequestTable:
         return rows
 
     def rows(self, request_ids: list[str], cache: str = "", reuse: str = "") -> np.ndarray:
-        """int64 row of each id; ``KeyError`` names an id without state.
-
-        With a ``cache`` name, a list equal to the one last looked up under that name, with
-        no request added or removed since, returns the same array (steady decode sends the
-        same ids every step; the list comparison runs in C). ``reuse`` names another cache
-        that may answer first, and is left as it is (a batch's ids are its step's scheduled
-        ids, in the scheduler's order, whenever the batch changes).
-        """
+        """int64 row of each id; ``KeyError`` names an id without state. With a ``cache``
+        name, a list equal to the one last looked up under that name, with no request added
+        or removed since, returns the same array (steady decode sends the same ids every
+        step); ``reuse`` names another cache that may answer first (a batch's ids are its
+        step's scheduled ids, in the scheduler's order, whenever the batch changes)."""
         version = self.version
         for name in (reuse, cache):
             cached = self._rows_cache.get(name) if name else None
@@ -141,16 +138,13 @@ class RequestTable:
         return rows
 
     def detach(self, request_id: str) -> None:
-        """Unname a request's row: the row keeps its state until ``remove_rows`` (a request
-        resumed after a preemption while steps of its earlier run are in flight; the
-        earlier run's row lives until they settle), and the id may be added again."""
+        """Unname a request's row, which keeps its state until ``remove`` by row."""
         del self.index[request_id]
         self.version += 1
 
     def remove(self, request_ids: Sequence[str], rows: Sequence[int] | None = None) -> np.ndarray:
-        """Drop requests: ``request_ids``, or with ``rows`` the requests at ``rows[i]`` (ids
-        ``request_ids[i]``; a detached row's id, which may name a newer row, stays named).
-        Returns their unbound slots (int64) for the caller to free."""
+        """Drop requests (with ``rows``: the ones at ``rows[i]``, named ``request_ids[i]`` or
+        detached); returns their unbound slots (int64) for the caller to free."""
         index = self.index
         if rows is None:
             rows = [index.pop(request_id) for request_id in request_ids]
@@ -212,13 +206,10 @@ class RequestTable:
         """Extend each ``rows[i]`` (distinct) to blocks up to ``lasts[i]`` with new slots from
         ``allocate(n)`` (``n`` slots, taken row by row in block order); ``firsts[i]`` is the
         row's first block if it had none yet (ignored otherwise). int64 arrays ``[G]``.
-
-        Returns the device ring's changed entries (``device_ring()``'s layout): ``(flat
-        index, value)``, int64: the new slots inside each row's new window, row by row, then
-        each row's window starts and ends. Vectorized over the rows: a step's cost does not
-        grow with how many requests cross a block boundary. Raises ``OverflowError`` (before
-        any change, and before ``allocate``) when a request would hold more than
-        ``ring_width`` unbound blocks.
+        Returns the device ring's changed entries (``device_ring()``'s layout) as int64
+        ``(flat index, value)``: the new slots inside each row's new window, row by row,
+        then each row's window starts and ends. Raises ``OverflowError`` (before any change
+        or ``allocate``) when a request would hold more than ``ring_width`` unbound blocks.
         """
         width, device_width = self.ring_width, self.device_width
         ends = self.end[rows]

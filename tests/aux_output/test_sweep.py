@@ -89,3 +89,18 @@ def test_a_seed_where_only_vllm_fails_passes_and_is_counted_apart(capsys):
     assert run_case(case) == VLLM_WRONG
     assert main(["--seeds", "370:371"]) == 0
     assert "1 seeds (370:371), 0 failed, 1 where only vLLM fails" in capsys.readouterr().out
+
+
+def test_only_the_simulators_step_limit_counts_as_an_unfinished_trace():
+    from types import SimpleNamespace
+
+    from sim.engine import SimError
+    from sim.sweep import _unfinished
+
+    def result(phase, exc):
+        return SimpleNamespace(error=SimError(7, phase, exc))
+
+    assert _unfinished(result("engine", RuntimeError("trace t did not finish in 9 steps")))
+    assert not _unfinished(result("engine", RuntimeError("KV prefix-cache reset refused")))
+    assert not _unfinished(result("process_output", RuntimeError("did not finish")))
+    assert not _unfinished(SimpleNamespace(error=None))
