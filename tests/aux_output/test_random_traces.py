@@ -99,7 +99,8 @@ def test_random_trace_workers_byte_identical_on_the_narrowest_device_ring(
 
 
 # Engine shapes ``random_trace`` leaves out: hash blocks of 1, 3, 5 and 16 tokens, one
-# request per step or up to 128, token budgets of 8 to 2,048, five drafts, CUDA-graph padding.
+# request per step or up to 128, token budgets of 8 to 2,048, five drafts, CUDA-graph padding,
+# a KV connector that must deliver (preempted requests' output in flight dropped).
 WIDE_SHAPES = st.fixed_dictionaries(
     {
         "hash_block_size": st.sampled_from([1, 3, 5, 16]),
@@ -109,6 +110,7 @@ WIDE_SHAPES = st.fixed_dictionaries(
         "max_num_seqs": st.sampled_from([1, 2, 32, 128]),
         "max_num_batched_tokens": st.sampled_from([8, 16, 512, 2048]),
         "pad_tokens_to": st.sampled_from([0, 8]),
+        "kv_delivery": st.booleans(),
     }
 )
 
