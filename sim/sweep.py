@@ -13,8 +13,7 @@ paths against each other as well as against vLLM.
 
 A seed passes when r3capture's outputs and errors equal vLLM's step by step, and both give
 the routing oracle's rows. vLLM's worker must run the trace clean, except at depth 3, where
-the simulator's scheduler can move a request back below a step still in flight and vLLM's
-assertion then fires (identically in r3capture, or the seed fails). Where only vLLM's
+an error it raises passes when r3capture raises the same at the same step. Where only vLLM's
 worker fails (an error, or rows off the oracle) and r3capture's rows are the oracle's
 (``sim.compare.only_reference_fails``), the seed passes and is counted apart: with
 ``kv_delivery`` (a KV connector whose hand-off must be delivered) the scheduler may resume
@@ -30,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import importlib
 import random
 import sys
 import time
@@ -42,7 +42,7 @@ from sim.engine import SimResult, run_trace
 from sim.trace import random_trace
 from sim.workers import make_vllm_worker, r3capture_worker_factory
 
-# (module, constant) pairs a seed may lower; each module reads its constant at call time.
+# The module of each tuning constant a seed draws; each reads its constant at call time.
 _KNOB_HOMES = {
     "LOOKAHEAD_TOKENS": "r3capture.aux_output.slot_planner",
     "REATTACH_TOKENS": "r3capture.aux_output.slot_planner",
@@ -90,9 +90,9 @@ def draw_case(seed: int) -> SweepCase:
         "pad_tokens_to": r.choice([0, 0, 8]),
         "kv_delivery": r.random() < 0.25,
     }
-    # Direct writes refuse steps scheduled over rows of a step still in flight, which the
-    # simulator's scheduler produces at depth 3 (tests/aux_output/test_random_traces.py);
-    # auto picks staging there.
+    # At depth 3 auto picks staging, and an explicit direct refuses a step scheduled over
+    # rows of a step still in flight (step_commit.check_not_overwritten); the draws leave
+    # direct out there.
     destinations = ["auto", "staging"] if depth >= 3 else ["auto", "staging", "direct"]
     # The factory refuses a device ring too narrow for the drafts a request may reattach by.
     min_reattach = max(depth - 1, 1) * drafts
@@ -117,8 +117,6 @@ def draw_case(seed: int) -> SweepCase:
 @contextlib.contextmanager
 def patched_knobs(knobs: dict[str, int]) -> Iterator[None]:
     """The tuning constants set to ``knobs`` for the duration."""
-    import importlib
-
     with contextlib.ExitStack() as stack:
         for name, value in knobs.items():
             module = importlib.import_module(_KNOB_HOMES[name])

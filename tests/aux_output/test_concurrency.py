@@ -87,12 +87,10 @@ def test_threaded_r3capture_matches_vllm_sequential(tiny_switch_interval):
 def test_workers_agree_on_every_drawn_order_of_process_output(seed, order, depth, destination):
     """``process_output`` of a step may run before, between or after the step thread's
     calls for the next steps. A drawn order (``interleave_seed``) replays the same one for
-    both workers: their outputs and errors must agree step for step. At depth 3 the
-    simulator's scheduler sometimes moves a request back below a step still in flight, and
-    whether vLLM's "capture moved backwards" assertion fires depends on the order; the
-    threaded mode cannot repeat an order, so it cannot compare those runs. Where vLLM's worker
-    returns wrong rows (a request resumed with a step of its earlier run in flight), r3capture
-    must return the routing oracle's instead."""
+    both workers: their outputs and errors must agree step for step; the threaded mode cannot
+    repeat an order, so it cannot compare runs whose errors depend on it. Where vLLM's worker
+    fails (a request resumed with a step of its earlier run in flight), r3capture must run
+    clean with the routing oracle's rows instead."""
     trace = random_trace(seed, max_concurrent_batches=depth)
     ref = run_trace(trace, make_vllm_worker, interleave_seed=order, catch_errors=True, check=False)
     factory = r3capture_worker_factory(kernel_impl="reference", destination=destination)
