@@ -52,6 +52,7 @@ import numpy as np
 
 from bench.common import RESULTS_DIR, Result, make_result, write_results
 from bench.host_step_families import FAMILIES, QUICK_FAMILIES
+from bench.host_step_families import family as named_family
 from bench.host_step_replay import CALLS
 from bench.models import MODELS as MODEL_SHAPES
 from bench.stand_ins import ABLATIONS
@@ -279,7 +280,7 @@ def _figure(summaries: dict[tuple[str, str, int], dict], free: list[str] | None 
     h = "cpu_" if HEADLINE == 1 else ""
     depths = sorted({d for _, _, d in summaries}, reverse=True)
     models = list(dict.fromkeys(key[1] for key in summaries))
-    families = [f for f in FAMILIES if any(key[0] == f for key in summaries)]
+    families = list(dict.fromkeys(key[0] for key in summaries))
     panels = (
         ("main", "main thread (begin + prepare + enqueue)", 2.0),  # decode, prefill
         ("output", "output thread (process_output) + vLLM's writer", 5.0),
@@ -474,12 +475,20 @@ def run(
         "timer_overhead_ns": timer,
         "repeats": repeats,
         "processes": processes,
-        "families": {f: FAMILIES[f].description for f in families},
+        "families": {f: named_family(f).description for f in families},
         "recordings": recordings,
         "record_seconds": round(record_seconds, 1),
         "run_seconds": round(time.perf_counter() - started, 1),
     }
     return rows, {"extra": extra, "summaries": summaries}
+
+
+def _is_family(name: str) -> bool:
+    try:
+        named_family(name)
+    except KeyError:
+        return False
+    return True
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -488,7 +497,10 @@ def main(argv: list[str] | None = None) -> int:
         "--quick", action="store_true", help=f"{MODELS[0]}, depth 2, {len(QUICK_FAMILIES)} families"
     )
     parser.add_argument("--repeats", type=int, default=3, help="processes per connector (>= 3)")
-    parser.add_argument("--families", help="comma-separated subset of: " + ",".join(FAMILIES))
+    parser.add_argument(
+        "--families",
+        help="comma-separated, of: " + ",".join(FAMILIES) + "; or decode-N, spec-kN at any size",
+    )
     parser.add_argument(
         "--models",
         help=f"comma-separated subset of: {','.join(KNOWN_MODELS)} (default: {','.join(MODELS)})",
@@ -516,7 +528,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.depths:
         depths = [int(d) for d in args.depths.split(",")]
     free = args.free.split(",") if args.free else []
-    unknown = [f for f in families if f not in FAMILIES]
+    unknown = [f for f in families if not _is_family(f)]
     unknown += [m for m in models if m not in KNOWN_MODELS]
     unknown += [part for part in free if part not in ABLATIONS]
     if unknown:

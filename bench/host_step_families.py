@@ -16,6 +16,7 @@ parent process can list families cheaply.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -314,5 +315,32 @@ FAMILIES: dict[str, Family] = {
         full_store(),
     )
 }
+
+# Sizes a family name may ask for beyond ``FAMILIES``: ``decode-N`` up to the engine size
+# vLLM serves with on H100/H200-class GPUs, ``spec-kN`` up to 8 drafts.
+MAX_DECODE_BATCH = 1024
+MAX_SPEC_K = 8
+_SIZED = (
+    (re.compile(r"decode-([1-9][0-9]*)"), decode, MAX_DECODE_BATCH),
+    (re.compile(r"spec-k([1-9][0-9]*)"), speculative, MAX_SPEC_K),
+)
+
+
+def family(name: str) -> Family:
+    """The family called ``name``: one of ``FAMILIES``, or ``decode-N`` (N requests,
+    1 <= N <= ``MAX_DECODE_BATCH``) or ``spec-kN`` (N drafts, 1 <= N <= ``MAX_SPEC_K``) at a
+    size ``FAMILIES`` does not list. Raises ``KeyError`` naming what is accepted."""
+    found = FAMILIES.get(name)
+    if found is not None:
+        return found
+    for pattern, make, limit in _SIZED:
+        match = pattern.fullmatch(name)
+        if match and int(match.group(1)) <= limit:
+            return make(int(match.group(1)))
+    raise KeyError(
+        f"unknown host_step family {name!r}: one of {', '.join(FAMILIES)}, or "
+        f"decode-N (1 <= N <= {MAX_DECODE_BATCH}) or spec-kN (1 <= N <= {MAX_SPEC_K})"
+    )
+
 
 QUICK_FAMILIES = ("decode-32", "decode-256", "prefill", "multi-turn-short", "spec-k3", "mixed")

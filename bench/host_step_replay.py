@@ -165,9 +165,9 @@ def family_trace(
     """The family's trace; ``max_num_seqs`` replaces its engine's (the family's own is sized
     to its traffic; vLLM's serve default on H100/H200-class GPUs is 1,024), which sizes
     the connectors and caps the requests the scheduler runs at once."""
-    from bench.host_step_families import FAMILIES
+    from bench.host_step_families import family as named_family
 
-    trace = FAMILIES[family].build(model_shape(model), depth, seed)
+    trace = named_family(family).build(model_shape(model), depth, seed)
     return trace.with_config(max_num_seqs=max_num_seqs) if max_num_seqs else trace
 
 

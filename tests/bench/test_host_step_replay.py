@@ -232,6 +232,40 @@ def test_families_build():
                 assert trace == family.build(model, depth, 0)  # deterministic
 
 
+def test_families_at_sizes_the_registry_does_not_list(capsys):
+    """``decode-N`` and ``spec-kN`` build at any size in range; other names are refused,
+    naming the accepted forms, by ``family`` and by the command line."""
+    from bench.host_step_families import MAX_DECODE_BATCH, MAX_SPEC_K, family
+    from bench.host_step_replay import family_trace
+    from bench.models import QWEN3_30B_A3B
+
+    assert family("decode-8") is FAMILIES["decode-8"]
+    trace = family("decode-48").build(QWEN3_30B_A3B, 2, 0)
+    assert trace.config.max_num_seqs == 48 and len(trace.requests) == 48
+    assert trace == family_trace("decode-48", QWEN3_30B_A3B.name, 2, 0)
+    spec = family("spec-k2").build(QWEN3_30B_A3B, 2, 0)
+    assert spec.config.num_spec_tokens == 2
+    assert family(f"decode-{MAX_DECODE_BATCH}").name == f"decode-{MAX_DECODE_BATCH}"
+    for name in (
+        "decode-0",
+        "decode-08",
+        f"decode-{MAX_DECODE_BATCH + 1}",
+        f"spec-k{MAX_SPEC_K + 1}",
+        "spec-k0",
+        "decode-",
+        "prefill-2",
+    ):
+        with pytest.raises(KeyError, match="decode-N"):
+            family(name)
+    from bench.host_step_bench import main
+
+    with pytest.raises(SystemExit) as exited:
+        main(["--families", "decode-48,decode-0"])
+    assert exited.value.code == 2
+    refused = capsys.readouterr().err.split("unknown")[-1]
+    assert "'decode-0'" in refused and "decode-48" not in refused
+
+
 def test_a_what_if_figure_says_so_in_its_title():
     from types import SimpleNamespace
 
