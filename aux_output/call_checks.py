@@ -55,11 +55,14 @@ def checked_emit_starts(
     check_ids = generation >= generation_now
     if type(requests) is not dict and not isinstance(requests, Mapping):
         raise TypeError(f"metadata.requests must be a dict, got {type(requests).__name__}")
-    emit_starts = np.array(list(requests.values()))
-    if emit_starts.dtype is not _INT64:
-        emit_starts = _diagnosed_emit_starts(requests, emit_starts)
-    elif min(requests.values()) < 0:  # never empty: np.array([]) is float64
-        _refuse_negative(requests)
+    if not requests:
+        emit_starts = _NO_EMIT_STARTS  # steps that only finish requests, or none at all
+    else:
+        emit_starts = np.array(list(requests.values()))
+        if emit_starts.dtype is not _INT64:
+            emit_starts = _diagnosed_emit_starts(requests, emit_starts)
+        elif min(requests.values()) < 0:
+            _refuse_negative(requests)
     if type(block_hashes) is not dict and not isinstance(block_hashes, Mapping):
         raise TypeError(f"metadata.block_hashes must be a dict, got {type(block_hashes).__name__}")
     for request_id, packed in block_hashes.items():
@@ -87,26 +90,28 @@ def checked_emit_starts(
 
 # What np.array makes of Python ints that fit int64 (numpy's builtin dtypes are singletons).
 _INT64 = np.dtype(np.int64)
+# What a step without scheduled requests hands on: shared, so never written.
+_NO_EMIT_STARTS = np.zeros(0, np.int64)
+_NO_EMIT_STARTS.flags.writeable = False
 
 
 def _diagnosed_emit_starts(requests: Mapping[str, Any], emit_starts: np.ndarray) -> np.ndarray:
-    """``emit_starts`` (``np.array`` of the values of ``requests``, of a dtype other than
-    int64: no requests, numpy integers, or a value that is not an int64 int) as int64, or
-    the error naming what is wrong."""
-    if len(requests):
-        if emit_starts.dtype.kind not in "iu":
-            raise TypeError(
-                f"metadata.requests must map request ids to int emit starts, got values of "
-                f"dtype {emit_starts.dtype}"
-            )
-        if min(requests.values()) < 0:
-            _refuse_negative(requests)
-        if emit_starts.dtype == np.uint64 and max(requests.values()) > _INT64_MAX:
-            # numpy reads 2**63 .. 2**64 - 1 as uint64; the cursors are int64.
-            raise ValueError(
-                f"metadata.requests has an emit start beyond int64: "
-                f"{ {k: v for k, v in requests.items() if v > _INT64_MAX} }"
-            )
+    """``emit_starts`` (``np.array`` of the values of non-empty ``requests``, of a dtype
+    other than int64: numpy integers, or a value that is not an int64 int) as int64, or the
+    error naming what is wrong."""
+    if emit_starts.dtype.kind not in "iu":
+        raise TypeError(
+            f"metadata.requests must map request ids to int emit starts, got values of "
+            f"dtype {emit_starts.dtype}"
+        )
+    if min(requests.values()) < 0:
+        _refuse_negative(requests)
+    if emit_starts.dtype == np.uint64 and max(requests.values()) > _INT64_MAX:
+        # numpy reads 2**63 .. 2**64 - 1 as uint64; the cursors are int64.
+        raise ValueError(
+            f"metadata.requests has an emit start beyond int64: "
+            f"{ {k: v for k, v in requests.items() if v > _INT64_MAX} }"
+        )
     return emit_starts.astype(np.int64)
 
 

@@ -264,6 +264,22 @@ def test_uint64_emit_starts_that_fit_int64_are_kept():
         assert starts.dtype == np.int64 and starts.tolist() == [start]
 
 
+def test_a_step_without_requests_has_int64_emit_starts_that_nothing_can_write():
+    """Steps that schedule nothing (only finishes, or an empty step) still check everything
+    else, and hand on an empty int64 array shared between them, so it must be read-only."""
+    known = {"a"}.__contains__
+    starts = checked_emit_starts(meta({}), known, 0)
+    assert starts.dtype == np.int64 and starts.shape == (0,)
+    assert not starts.flags.writeable
+    assert checked_emit_starts(meta({}), known, 0) is starts
+    with pytest.raises(KeyError, match="metadata.block_hashes names unknown request 'zz'"):
+        checked_emit_starts(meta({}, {"zz": PACKED_OK}), known, 0)
+    finished = _as_namespace(meta({}))
+    finished.finished_requests = ("zz",)
+    with pytest.raises(KeyError, match="metadata.finished_requests names unknown request 'zz'"):
+        checked_emit_starts(finished, known, 0)
+
+
 @pytest.mark.parametrize("missing", ["generation", "requests", "block_hashes", "finished_requests"])
 def test_metadata_missing_a_field_names_that_field(missing):
     fields = dict(generation=0, requests={}, block_hashes={}, finished_requests=())
