@@ -8,10 +8,11 @@ is applied first (it frees the finished requests' slots); the reserve grows rath
 fails only when requests outside the step (preempted ones) still hold more than it was
 sized for.
 
-Steps of up to ``PER_REQUEST_MAX`` requests are tested over Python ints, and when at most
-``FEW_GROWING`` of them grow (a prefill chunk, a new prefix hit) the table takes their slots
-request by request; larger steps use the table's vector pass. Each path's measured win is in
-``bench/RESULTS.md`` (fast paths).
+Steps of up to ``PER_REQUEST_MAX`` requests are tested over Python ints, larger ones with
+vector operations. Whenever at most ``FEW_GROWING`` requests grow (a prefill chunk, a new
+prefix hit, the few requests of a large decode step that reach their lookahead's end), the
+table takes their slots request by request; more use the table's vector pass. Each
+mechanism's measured win is in ``bench/RESULTS.md`` (fast paths).
 """
 
 from __future__ import annotations
@@ -119,6 +120,10 @@ class SlotPlanner:
                 return None
             grow_rows, firsts, lasts = rows[grow], starts[grow] // B, lasts[grow]
             lasts += self.lookahead_blocks
+            if len(grow) <= FEW_GROWING:
+                return self._table.take_slots_per_request(
+                    grow_rows.tolist(), firsts.tolist(), lasts.tolist(), self._allocate
+                )
         return self._table.take_slots(grow_rows, firsts, lasts, self._allocate)
 
     def _allocate(self, n: int) -> np.ndarray:

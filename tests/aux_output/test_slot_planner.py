@@ -88,3 +88,53 @@ def test_a_request_grows_exactly_when_its_last_row_enters_its_end_block(num_reqs
     assert planner.take_slots(step(512)) is not None
     assert table.end[rows].tolist() == [4] * num_reqs
     assert store.num_unbound == 4 * num_reqs
+
+
+def test_a_large_step_where_few_requests_grow_takes_their_slots_request_by_request(
+    monkeypatch,
+):
+    """A step of more than ``PER_REQUEST_MAX`` requests (tested with vector operations)
+    where at most ``FEW_GROWING`` requests reach past their slots takes theirs with the
+    per-request loop; forced onto the vector pass (``FEW_GROWING = 0``) the ring, the
+    cursors, the slots taken and the device updates are the same."""
+    from r3capture.aux_output import request_table, slot_planner
+
+    num_reqs = PER_REQUEST_MAX + 8
+    growing = [3, num_reqs - 1]
+    outcomes, used = [], []
+    for few in (slot_planner.FEW_GROWING, 0):
+        monkeypatch.setattr(slot_planner, "FEW_GROWING", few)
+        store = BlockStore(max_bytes=8 * 8 * num_reqs, object_nbytes=8, reserve_slots=8 * num_reqs)
+        table = RequestTable(ring_width=8, capacity=num_reqs + 1)
+        planner = SlotPlanner(table, store, B, lambda: False)
+        names = [f"r{i}" for i in range(num_reqs)]
+        planner.take_slots(_first_rows(table, names))
+        rows = table.rows(names)
+        for name in ("take_slots", "take_slots_per_request"):
+            original = getattr(request_table.RequestTable, name)
+
+            def spy(self, *args, _name=name, _original=original, _few=few, **kwargs):
+                used.append((_few, _name))
+                return _original(self, *args, **kwargs)
+
+            monkeypatch.setattr(request_table.RequestTable, name, spy)
+        num_rows = np.full(num_reqs, 1, np.int64)
+        num_rows[growing] = 512  # rows 1 .. 512: the last enters block 2
+        qsl = np.concatenate(([0], np.cumsum(num_rows)))
+        updates = planner.take_slots(StepLayout(names, rows, np.ones(num_reqs, np.int64), qsl))
+        outcomes.append(
+            (
+                [u.tolist() for u in updates],
+                table.ring[rows].tolist(),
+                table.end[rows].tolist(),
+                store.num_unbound,
+            )
+        )
+        monkeypatch.undo()
+    assert used == [
+        (slot_planner.FEW_GROWING, "take_slots_per_request"),
+        (0, "take_slots"),
+    ]
+    assert outcomes[0] == outcomes[1]
+    ends = outcomes[0][2]
+    assert [i for i, end in enumerate(ends) if end == 4] == growing
