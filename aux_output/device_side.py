@@ -299,8 +299,9 @@ class DeviceSide:
             views = self._views_for(num_updates)
         host = self._upload_np[index]
         host[: len(table_row)] = table_row
-        host[views.index_host].view(np.int64)[:] = flat
-        host[views.values_host] = values
+        if num_updates:
+            host[views.index_host].view(np.int64)[:] = flat
+            host[views.values_host] = values
         self._uploaded_rows = table_row
         device_upload(
             views.dst, views.sources[index], self._ring_flat, views.index_dev, views.values_dev
