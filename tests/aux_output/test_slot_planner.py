@@ -30,6 +30,17 @@ def _first_rows(table: RequestTable, names: list[str]) -> StepLayout:
     )
 
 
+def _started(num_reqs: int):
+    """A planner whose ``num_reqs`` requests ("r0", ...) have each taken their first block
+    and its lookahead (blocks 0 and 1); returns ``(planner, table, store, names, rows)``."""
+    store = BlockStore(max_bytes=8 * 8 * num_reqs, object_nbytes=8, reserve_slots=8 * num_reqs)
+    table = RequestTable(ring_width=8, capacity=num_reqs + 1)
+    planner = SlotPlanner(table, store, B, lambda: False)
+    names = [f"r{i}" for i in range(num_reqs)]
+    planner.take_slots(_first_rows(table, names))
+    return planner, table, store, names, table.rows(names)
+
+
 def test_the_reserve_grows_only_when_a_step_asks_for_more_slots_than_it_has_left():
     planner, table, store = _planner(reserve_slots=5)
     planner.take_slots(_first_rows(table, ["a", "b"]))  # 2 slots each
@@ -71,12 +82,7 @@ def test_a_request_grows_exactly_when_its_last_row_enters_its_end_block(num_reqs
     whose last row is token 511 (the last of block 1) takes nothing; one whose last row is
     token 512 (the first of block 2) takes block 2 and one more of lookahead. Both the
     per-request and the vector test of a step."""
-    store = BlockStore(max_bytes=8 * 8 * num_reqs, object_nbytes=8, reserve_slots=8 * num_reqs)
-    table = RequestTable(ring_width=8, capacity=num_reqs + 1)
-    planner = SlotPlanner(table, store, B, lambda: False)
-    names = [f"r{i}" for i in range(num_reqs)]
-    planner.take_slots(_first_rows(table, names))
-    rows = table.rows(names)
+    planner, table, store, names, rows = _started(num_reqs)
     assert table.end[rows].tolist() == [2] * num_reqs
 
     def step(num_rows: int) -> StepLayout:
@@ -104,12 +110,7 @@ def test_a_large_step_where_few_requests_grow_takes_their_slots_request_by_reque
     outcomes, used = [], []
     for few in (slot_planner.FEW_GROWING, 0):
         monkeypatch.setattr(slot_planner, "FEW_GROWING", few)
-        store = BlockStore(max_bytes=8 * 8 * num_reqs, object_nbytes=8, reserve_slots=8 * num_reqs)
-        table = RequestTable(ring_width=8, capacity=num_reqs + 1)
-        planner = SlotPlanner(table, store, B, lambda: False)
-        names = [f"r{i}" for i in range(num_reqs)]
-        planner.take_slots(_first_rows(table, names))
-        rows = table.rows(names)
+        planner, table, store, names, rows = _started(num_reqs)
         for name in ("take_slots", "take_slots_per_request"):
             original = getattr(request_table.RequestTable, name)
 
