@@ -50,7 +50,9 @@ class StepsInFlight:
         """Mark ``request_ids`` finished; returns those no step in flight covers, to tear
         down now (the others are torn down by ``settle``)."""
         table = self._table
-        in_flight = set(self.rows().tolist())
+        in_flight: set[int] = set()
+        for layout in self.layouts:
+            in_flight.update(layout.rows.tolist())
         now = []
         for request_id in request_ids:
             row = table.index[request_id]
