@@ -33,8 +33,10 @@ LOOKAHEAD_TOKENS = 256
 # window has room for it).
 REATTACH_TOKENS = 256
 # Steps where at most this many requests grow take their slots request by request (a
-# prefill chunk, a new prefix hit): ~4 numpy calls each against ~30 for the vector pass.
-FEW_GROWING = 4
+# prefill chunk, a new prefix hit, a batch admitted together): ~4 numpy calls each against
+# ~30 for the vector pass, which in the replay wins at 27 growing requests and more
+# (bench/RESULTS.md, fast paths).
+FEW_GROWING = 16
 
 
 def lookahead_blocks(block_size: int) -> int:
