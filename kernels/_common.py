@@ -195,6 +195,9 @@ def check_static_args(
     hash_block, num_slots, rows_layout = _check_dest(dest, capture, hash_block, num_slots)
 
     _check_tensor("table_row", table_row, 1, INDEX_DTYPES)
+    if not table_row.is_contiguous():
+        # Read as a dense array: a strided view would hand a request another one's table row.
+        raise _fail("table_row", "contiguous (the kernel reads it as a dense array)", table_row)
     _check_tensor("slot_table", slot_table, 2, INDEX_DTYPES)
     if slot_table.shape[1] == 0:
         raise _fail("slot_table", "[N, W] with a ring width W >= 1", slot_table)

@@ -217,7 +217,9 @@ class BlockStore:
         """
         self._check_open()
         keys = as_key_objects(keys)
-        blocks = None if out is None else as_blocks(out, len(keys), self.object_nbytes, name="out")
+        blocks = None
+        if out is not None:
+            blocks = as_blocks(out, len(keys), self.object_nbytes, name="out", writable=True)
         slots = self._slots_of(keys, touch=True)
         if blocks is None:
             return self._space.np[slots]
@@ -228,6 +230,7 @@ class BlockStore:
         """Copy arena rows ``slots`` (int64 ``[n]``) into ``out`` (uint8 ``[n, object_nbytes]``,
         C-contiguous). No bookkeeping: callers pass slots they looked up."""
         self._check_open()
+        check_writable(out, "out")
         self._space.gather(slots, out)
 
     def lookup_slots(self, keys: Keys, *, held: bool = False) -> np.ndarray:
@@ -447,10 +450,20 @@ def key_object(key: object) -> bytes:
     return as_key_objects([key], name="key")[0]
 
 
-def as_blocks(array: np.ndarray, n: int, object_nbytes: int, name: str = "blocks") -> np.ndarray:
+def as_blocks(
+    array: np.ndarray,
+    n: int,
+    object_nbytes: int,
+    name: str = "blocks",
+    *,
+    writable: bool = False,
+) -> np.ndarray:
     """``array`` as ``uint8 [n, object_nbytes]`` without copying; ``ValueError`` naming
     ``name`` unless it is C-contiguous, numeric, with leading dimension ``n`` and exactly
-    ``n * object_nbytes`` bytes."""
+    ``n * object_nbytes`` bytes. With ``writable`` (a destination) it must also be a numpy
+    array that accepts writes: anything else would be written through a copy, or not at all."""
+    if writable:
+        check_writable(array, name)
     arr = np.asarray(array)
     if arr.dtype is _UINT8 and arr.ndim > 1 and arr.shape[0] == n > 0:
         if arr.flags.c_contiguous and arr.size == n * object_nbytes:
@@ -464,6 +477,14 @@ def as_blocks(array: np.ndarray, n: int, object_nbytes: int, name: str = "blocks
             f"{expected} bytes, got shape {arr.shape} {arr.dtype} ({arr.nbytes} bytes)"
         )
     return arr.reshape(-1).view(np.uint8).reshape(n, object_nbytes)
+
+
+def check_writable(array: object, name: str) -> None:
+    """``ValueError`` naming ``name`` unless ``array`` is a numpy array that accepts writes."""
+    if not isinstance(array, np.ndarray):
+        raise ValueError(f"{name}: expected a writable numpy array, got {type(array).__name__}")
+    if not array.flags.writeable:
+        raise ValueError(f"{name}: expected a writable numpy array, got a read-only one")
 
 
 def missing_key_error(key: str, used: int, num_slots: int, object_nbytes: int) -> Exception:

@@ -124,3 +124,68 @@ def test_malformed_argument_is_named_and_nothing_is_written(call, impl):
     for before, after in zip(outputs, still):
         if after.device.type != "meta":
             assert torch.equal(before, after), f"{name}: a refused call wrote its outputs"
+
+
+def _every_other_entry(t: torch.Tensor) -> torch.Tensor:
+    """The same values with every dim-0 stride doubled (a view that skips entries)."""
+    return t.repeat_interleave(2, dim=0)[::2]
+
+
+def _every_other_column(t: torch.Tensor) -> torch.Tensor:
+    return t.repeat_interleave(2, dim=-1)[..., ::2]
+
+
+def _inner_transposed(t: torch.Tensor) -> torch.Tensor:
+    return t.transpose(-1, -2).contiguous().transpose(-1, -2)
+
+
+# Each keeps the tensor's values and changes only its layout.
+LAYOUTS = {
+    "every-other-entry": (_every_other_entry, 1),
+    "every-other-column": (_every_other_column, 2),
+    "inner-transposed": (_inner_transposed, 2),
+}
+
+
+@st.composite
+def relaid_calls(draw):
+    """(argument name, layout name, seed): one tensor argument of a valid call laid out anew."""
+    layout = draw(st.sampled_from(sorted(LAYOUTS)))
+    min_dim = LAYOUTS[layout][1]
+    names = [n for n in TENSOR_ARGS if _valid_args()[n].dim() >= min_dim]
+    return draw(st.sampled_from(names)), layout, draw(st.integers(0, 99))
+
+
+@SETTINGS
+@given(call=relaid_calls(), impl=st.sampled_from(["triton", "reference"]))
+def test_any_layout_of_an_argument_is_read_as_laid_out_or_refused_by_name(call, impl):
+    """Strided and non-contiguous views of every tensor argument: the call either refuses the
+    argument by name before writing a byte, or reads and writes every tensor through its
+    strides, with the dense call's exact outputs (a strided ``table_row`` once sent one
+    request's rows into another's slot)."""
+    name, layout, seed = call
+    reqs = [Req(5, 3 + seed % 7, seed % 3), Req(2, 9), Req(3, seed % 13, 1)]
+    built = build(Case("relaid", TINY, BLOCK, reqs), seed=seed)
+    args = clone_args(built["args"])
+    args[name] = LAYOUTS[layout][0](args[name])
+    dest, step_info = args["dest"], args["step_info"]
+    dest_before, info_before = dest.clone(), step_info.clone()
+    try:
+        gather_pack(**args, impl=impl)
+    except ValueError as refused:
+        assert f"gather_pack: {name} must" in str(refused), str(refused)
+        assert torch.equal(dest, dest_before) and torch.equal(step_info, info_before)
+        return
+    assert_same_bytes("dest", dest, built["expected_dest"])
+    assert_same_bytes("step_info", step_info, built["expected_info"])
+
+
+def test_a_strided_table_row_is_refused_by_name():
+    """The case the property above found: two requests, ``table_row`` a view with stride 2."""
+    args = clone_args(_valid_args())
+    wide = torch.stack([args["table_row"], args["table_row"].flip(0)], dim=1).flatten()
+    args["table_row"] = wide[::2]
+    assert torch.equal(args["table_row"], _valid_args()["table_row"])
+    for impl in ("triton", "reference"):
+        with pytest.raises(ValueError, match="table_row must be contiguous"):
+            gather_pack(**clone_args(args) | {"table_row": wide[::2]}, impl=impl)

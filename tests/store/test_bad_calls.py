@@ -69,10 +69,21 @@ def _release_unheld(store: BlockStore) -> None:
     store.put([], release_keys=unheld[:1])
 
 
-def _get_into_readonly(store: BlockStore) -> None:
-    out = np.zeros(NB, np.uint8)
+def _read_only_out(store: BlockStore) -> None:
+    keys = [k for k in KEYS if k in store][:2] or KEYS[:1]
+    out = np.zeros((len(keys), NB), np.uint8)  # the right shape: only its flag is wrong
     out.flags.writeable = False
-    store.get_array([k for k in KEYS if k in store][:1] or KEYS[:1], out=out)
+    store.get_array(keys, out=out)
+
+
+def _get_into_strided(store: BlockStore) -> None:
+    keys = [k for k in KEYS if k in store][:2] or KEYS[:1]
+    store.get_array(keys, out=np.zeros((len(keys), 2 * NB), np.uint8)[:, ::2])
+
+
+def _bytearray_out(store: BlockStore) -> None:
+    keys = [k for k in KEYS if k in store][:1] or KEYS[:1]
+    store.get_array(keys, out=bytearray(NB))
 
 
 MALFORMED_CALLS = {
@@ -94,9 +105,15 @@ MALFORMED_CALLS = {
         "blocks",
         lambda s: s.put_array(KEYS[:2], np.zeros((2, 2 * NB), np.uint8)[:, ::2]),
     ),
+    "put-array-inner-transposed": (
+        "blocks",
+        lambda s: s.put_array(KEYS[:2], np.zeros((2, NB // 2, 2), np.uint8).transpose(0, 2, 1)),
+    ),
     "get-missing": ("max_bytes", lambda s: s.get_array([k for k in KEYS if k not in s][:1])),
     "get-bad-out-size": ("out", lambda s: s.get_array(KEYS[:1], out=np.zeros(NB + 1, np.uint8))),
-    "get-readonly-out": ("out", _get_into_readonly),
+    "get-readonly-out": ("out: expected a writable numpy array, got a read-only", _read_only_out),
+    "get-strided-out": ("out: expected a C-contiguous", _get_into_strided),
+    "get-bytearray-out": ("out: expected a writable numpy array, got bytearray", _bytearray_out),
     "get-key-rows-wrong-dtype": ("key", lambda s: s.get_array(np.zeros((1, 5), np.int64))),
     "lookup-bad-key": ("is not a store key", lambda s: s.lookup_slots(["vllm-artifact/0/zz"])),
     "allocate-float": ("n must be an int", lambda s: s.allocate(1.5)),
@@ -147,3 +164,27 @@ def test_key_rows_and_strings_agree_for_the_drawn_keys():
     """The property's keys are well-formed: their key rows round-trip."""
     rows = key_rows_from_strings(KEYS)
     assert rows.shape == (len(KEYS), 5) and len({r.tobytes() for r in rows}) == len(KEYS)
+
+
+@pytest.mark.parametrize("num_keys", [1, 15, 16, 20], ids=lambda n: f"{n}keys")
+@pytest.mark.parametrize("bad_out", ["read-only", "strided", "transposed"])
+def test_get_array_into_a_bad_out_is_refused_before_any_recency_moves(num_keys, bad_out):
+    """Below 16 keys the arena gathers with numpy, from 16 on with torch: either way a bad
+    ``out`` is refused by name, and neither the keys' recency nor ``out`` changes."""
+    nb = 8
+    store = BlockStore(max_bytes=24 * nb, object_nbytes=nb)
+    keys = [f"vllm-artifact/0/{i:04x}" for i in range(24)]
+    store.put([(k, bytes([i]) * nb) for i, k in enumerate(keys)])
+    if bad_out == "read-only":
+        out = np.zeros((num_keys, nb), np.uint8)
+        out.flags.writeable = False
+    elif bad_out == "strided":
+        out = np.zeros((num_keys, 2 * nb), np.uint8)[:, ::2]
+    else:  # rows of the right size whose inner layout is transposed
+        out = np.zeros((num_keys, nb // 2, 2), np.uint8).transpose(0, 2, 1)
+    out_before = out.copy()
+    before = fingerprint(store)
+    with pytest.raises(ValueError, match="^out: expected"):
+        store.get_array(keys[:num_keys], out=out)
+    assert fingerprint(store) == before
+    assert np.array_equal(out, out_before)
