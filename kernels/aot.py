@@ -5,7 +5,7 @@ libcuda (ptxas ships in the Triton wheel), which catches code that the Triton in
 accepts but the GPU compiler rejects. Must run in a process where TRITON_INTERPRET is unset
 (under the interpreter ``@triton.jit`` yields interpreter functions, not compilable ones):
 
-    python -m r3capture.kernels.aot --arch 80 --arch 90 [--out DIR]
+    python -m r3capture.kernels.aot [--arch 80 --arch 90 --arch 100 --arch 120] [--out DIR]
 
 prints one JSON object per (specialization, arch) and exits 1 if any compile failed.
 """
@@ -27,6 +27,9 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 from r3capture.kernels.gather_pack import _NUM_WARPS, _gather_pack_kernel, _tile_config
+
+# A100 (sm_80), H100/H200 (sm_90), B200/GB200 (sm_100) and RTX/RTX PRO Blackwell (sm_120).
+ARCHS = (80, 90, 100, 120)
 
 _SIZE_ARGS = ("num_reqs", "row_limit", "num_slots", "num_table_rows", "ring_width", "num_steps")
 _STRIDE_ARGS = ("stride_table_r", "stride_window_r", "stride_dest", "stride_info_r")
@@ -102,8 +105,10 @@ def _ptxas_usage(ptx: str, arch: int) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         src = Path(tmp) / "kernel.ptx"
         src.write_text(ptx)
-        # sm_90 kernels use sm_90a features, which ptxas only accepts under that name.
-        target = f"sm_{arch}a" if arch == 90 else f"sm_{arch}"
+        # Triton targets the arch-specific name from sm_90 on (sm_90a, sm_100a, sm_120a):
+        # ptxas accepts the PTX only under the target it names.
+        named = re.search(r"^\.target\s+(sm_\w+)", ptx, re.MULTILINE)
+        target = named.group(1) if named else f"sm_{arch}"
         proc = subprocess.run(
             [ptxas, f"-arch={target}", "-v", str(src), "-o", str(Path(tmp) / "k.cubin")],
             capture_output=True, text=True,
@@ -138,14 +143,16 @@ def compile_spec(spec: GatherPackSpec, arch: int) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--arch", type=int, action="append", help="SM version, e.g. 80, 90")
+    parser.add_argument(
+        "--arch", type=int, action="append", help=f"SM version (default: {list(ARCHS)})"
+    )
     parser.add_argument("--out", type=Path, help="also write <spec>.sm_<arch>.cubin files here")
     args = parser.parse_args(argv)
     if triton.knobs.runtime.interpret:
         print("aot: unset TRITON_INTERPRET: the interpreter's kernels cannot be compiled")
         return 2
     failed = 0
-    for arch in args.arch or [80, 90]:
+    for arch in args.arch or ARCHS:
         for spec in GATHER_PACK_SPECS:
             try:
                 record = compile_spec(spec, arch)

@@ -323,6 +323,19 @@ _STEP_ARGS = (
 )  # fmt: skip
 
 
+# Triton releases whose compiled-kernel launch interface (``CompiledKernel.run`` with
+# ``packed_metadata`` and the two launch hooks) the direct launch is tested on: the pinned
+# 3.7 and the GPU image's 3.6. Any other release launches through Triton's JIT.
+DIRECT_LAUNCH_TRITON = ("3.6", "3.7")
+
+
+def direct_launch_supported(version: str | None = None) -> bool:
+    """Whether ``GatherPackLaunch`` may launch compiled variants itself on Triton ``version``
+    (default: the installed one); elsewhere every launch goes through Triton's JIT."""
+    version = triton.__version__ if version is None else version
+    return ".".join(version.split(".")[:2]) in DIRECT_LAUNCH_TRITON
+
+
 def _interpreting() -> bool:
     """Whether Triton runs kernels in its interpreter (TRITON_INTERPRET=1, as Triton reads it)."""
     return bool(triton.knobs.runtime.interpret)
@@ -397,9 +410,15 @@ class GatherPackLaunch:
             )
             # The kernel variant Triton's JIT picked for each per-step dtype combination
             # (query_start_loc, positions, num_rejected or None), launched directly after
-            # its first launch; none under the interpreter, which compiles nothing.
+            # its first launch; none under the interpreter, which compiles nothing, nor on a
+            # Triton whose launch interface the direct launch was not tested on.
             self._variants: dict[tuple, object] | None = None
             if not _interpreting():
+                self._device_index = capture.device.index
+                active = triton.runtime.driver.active
+                self._current_device = active.get_current_device
+                self._current_stream = active.get_current_stream
+            if not _interpreting() and direct_launch_supported():
                 self._variants = {}
                 names = _gather_pack_kernel.arg_names
                 # The step-independent tensors go to compiled variants as kernel addresses,
@@ -414,10 +433,6 @@ class GatherPackLaunch:
                     addresses.get(name, self._kernel_args.get(name)) for name in names
                 ]
                 self._step_slots = tuple(names.index(name) for name in _STEP_ARGS)
-                self._device_index = capture.device.index
-                active = triton.runtime.driver.active
-                self._current_device = active.get_current_device
-                self._current_stream = active.get_current_stream
 
     @property
     def step_info(self) -> torch.Tensor:

@@ -138,3 +138,64 @@ def test_direct_launch_matches_tritons_jit(tmp_path) -> None:
         "addresses": 6,
         "passed_as_addresses": 6,
     }
+
+
+_UNKNOWN_TRITON_SCRIPT = r"""
+import json
+import torch
+import triton
+from bench.models import MODELS
+from bench.no_gpu_driver import no_gpu_driver
+from bench.triton_launch import make_launch
+from r3capture.kernels.gather_pack import _gather_pack_kernel
+
+jit_runs = []
+jit_run = type(_gather_pack_kernel).run
+def counted_run(self, *args, **kwargs):
+    jit_runs.append(1)
+    return jit_run(self, *args, **kwargs)
+type(_gather_pack_kernel).run = counted_run
+
+triton.__version__ = "3.9.0"  # a release the direct launch was never tested on
+model = [m for m in MODELS if m.name == "Qwen3-30B-A3B"][0]
+report = {"steps": 0, "jit_runs": 0, "driver_launches": 0}
+with no_gpu_driver(90, record=True) as driver:
+    launch, _ = make_launch(model, pass_rejected=False)
+    report["direct"] = launch._variants is not None
+    for num_reqs in (1, 5, 5, 16, 16):
+        qsl = torch.arange(num_reqs + 1, dtype=torch.int32)
+        positions = torch.zeros(8192, dtype=torch.int64)
+        shape = launch.check_step(qsl, positions, None, num_rows=num_reqs)
+        launch.launch_checked(shape, qsl, positions, None)
+        report["steps"] += 1
+    report["jit_runs"] = len(jit_runs)
+    report["driver_launches"] = len(driver.launches)
+print(json.dumps(report))
+"""
+
+
+@pytest.mark.parametrize(
+    "version, direct",
+    [("3.6.0", True), ("3.7.1", True), ("3.7.0+git1234", True), ("3.5.1", False),
+     ("3.8.0", False), ("3.10.0", False), ("4.0.0", False)],
+)  # fmt: skip
+def test_the_direct_launch_is_kept_to_tested_triton_releases(version: str, direct: bool) -> None:
+    from r3capture.kernels.gather_pack import direct_launch_supported
+
+    assert direct_launch_supported(version) is direct
+
+
+@pytest.mark.slow
+def test_an_unknown_triton_launches_every_step_through_its_jit(tmp_path) -> None:
+    """On a Triton release the direct launch was not tested on, every launch (repeated
+    dtype combinations included) goes through Triton's JIT and reaches the driver."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["TRITON_CACHE_DIR"] = str(tmp_path / "triton-cache")
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
+    proc = subprocess.run(
+        [sys.executable, "-c", _UNKNOWN_TRITON_SCRIPT],
+        env=env, cwd=ROOT, capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    report = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert report == {"steps": 5, "jit_runs": 5, "driver_launches": 5, "direct": False}
