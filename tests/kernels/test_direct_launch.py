@@ -24,16 +24,14 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 
-_SCRIPT = r"""
+# Both scripts count the launches that go through Triton's JIT.
+_COUNT_JIT_RUNS = r"""
 import json
 import torch
 import triton
 from bench.models import MODELS
 from bench.no_gpu_driver import no_gpu_driver
-from bench.triton_launch import jit_launch, make_launch
-import importlib
 from r3capture.kernels.gather_pack import _gather_pack_kernel
-gather_pack_module = importlib.import_module("r3capture.kernels.gather_pack")  # not the function
 
 jit_runs = []
 jit_run = type(_gather_pack_kernel).run
@@ -41,6 +39,14 @@ def counted_run(self, *args, **kwargs):
     jit_runs.append(1)
     return jit_run(self, *args, **kwargs)
 type(_gather_pack_kernel).run = counted_run
+"""
+
+_SCRIPT = (
+    _COUNT_JIT_RUNS
+    + r"""
+from bench.triton_launch import jit_launch, make_launch
+import importlib
+gather_pack_module = importlib.import_module("r3capture.kernels.gather_pack")  # not the function
 
 def same_value(x, y):
     if hasattr(x, "data") and hasattr(x, "extras"):  # launch metadata: made anew per launch
@@ -111,19 +117,25 @@ with no_gpu_driver(90, record=True) as driver:
     report["passed_as_addresses"] = sum(isinstance(a, int) and a in static_address for a in ours)
 print(json.dumps(report))
 """
+)
 
 
-@pytest.mark.slow
-def test_direct_launch_matches_tritons_jit(tmp_path) -> None:
+def _run_on_the_no_gpu_driver(script: str, tmp_path: Path) -> dict:
+    """Run ``script`` in a process without TRITON_INTERPRET; returns the JSON it printed last."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["TRITON_CACHE_DIR"] = str(tmp_path / "triton-cache")
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
     proc = subprocess.run(
-        [sys.executable, "-c", _SCRIPT],
+        [sys.executable, "-c", script],
         env=env, cwd=ROOT, capture_output=True, text=True, timeout=600,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-4000:]
-    report = json.loads(proc.stdout.strip().splitlines()[-1])
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.slow
+def test_direct_launch_matches_tritons_jit(tmp_path) -> None:
+    report = _run_on_the_no_gpu_driver(_SCRIPT, tmp_path)
     steps = 4 * 2 * 2 * 3 * 2
     # Variants: qsl x positions x (no rejected, int32, int64); one JIT run for each.
     assert report == {
@@ -140,21 +152,10 @@ def test_direct_launch_matches_tritons_jit(tmp_path) -> None:
     }
 
 
-_UNKNOWN_TRITON_SCRIPT = r"""
-import json
-import torch
-import triton
-from bench.models import MODELS
-from bench.no_gpu_driver import no_gpu_driver
+_UNKNOWN_TRITON_SCRIPT = (
+    _COUNT_JIT_RUNS
+    + r"""
 from bench.triton_launch import make_launch
-from r3capture.kernels.gather_pack import _gather_pack_kernel
-
-jit_runs = []
-jit_run = type(_gather_pack_kernel).run
-def counted_run(self, *args, **kwargs):
-    jit_runs.append(1)
-    return jit_run(self, *args, **kwargs)
-type(_gather_pack_kernel).run = counted_run
 
 triton.__version__ = "3.9.0"  # a release the direct launch was never tested on
 model = [m for m in MODELS if m.name == "Qwen3-30B-A3B"][0]
@@ -172,6 +173,7 @@ with no_gpu_driver(90, record=True) as driver:
     report["driver_launches"] = len(driver.launches)
 print(json.dumps(report))
 """
+)
 
 
 @pytest.mark.parametrize(
@@ -189,13 +191,5 @@ def test_the_direct_launch_is_kept_to_tested_triton_releases(version: str, direc
 def test_an_unknown_triton_launches_every_step_through_its_jit(tmp_path) -> None:
     """On a Triton release the direct launch was not tested on, every launch (repeated
     dtype combinations included) goes through Triton's JIT and reaches the driver."""
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["TRITON_CACHE_DIR"] = str(tmp_path / "triton-cache")
-    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
-    proc = subprocess.run(
-        [sys.executable, "-c", _UNKNOWN_TRITON_SCRIPT],
-        env=env, cwd=ROOT, capture_output=True, text=True, timeout=600,
-    )  # fmt: skip
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    report = json.loads(proc.stdout.strip().splitlines()[-1])
+    report = _run_on_the_no_gpu_driver(_UNKNOWN_TRITON_SCRIPT, tmp_path)
     assert report == {"steps": 5, "jit_runs": 5, "driver_launches": 5, "direct": False}
