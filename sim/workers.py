@@ -144,6 +144,7 @@ def make_r3capture_worker(
         if buffer.device.type != "cpu":
             batch.query_start_loc = batch.query_start_loc.to(buffer.device)
             batch.positions = batch.positions.to(buffer.device)
+            batch.idx_mapping = batch.idx_mapping.to(buffer.device)
         if not pass_num_rejected:
             return worker.prepare_output(batch)
         rejected = torch.from_numpy(np.ascontiguousarray(num_rejected, np.int32)).to(buffer.device)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+import torch
 
 from sim import (
     SCENARIOS,
@@ -273,3 +274,69 @@ def test_demo_report(capsys):
     run = report["runs"]["vllm"]
     assert run["error"] is None and run["rows_checked"] == run["rows_returned"] > 0
     assert run["bytes_accepted"] <= run["bytes_copied_by_vllm"]
+
+
+# ---------------------------------------------------------------- request indices
+
+
+def _recording_indices(steps: list):
+    """A vLLM worker factory that records each prepared batch as ``(req_ids, idx_mapping_np,
+    the request ids of the batches prepared and not yet processed)``."""
+
+    def factory(sizes):
+        inner = make_vllm_worker(sizes)
+        in_flight: list[list[str]] = []
+
+        class Pending:
+            def __init__(self, pending, req_ids):
+                self.pending, self.req_ids = pending, req_ids
+
+            def enqueue_cpu_copy(self, num_sampled, num_rejected):
+                self.pending.enqueue_cpu_copy(num_sampled=num_sampled, num_rejected=num_rejected)
+
+            def process_output(self):
+                in_flight.remove(self.req_ids)
+                return self.pending.process_output()
+
+        def prepare(batch, num_rejected):
+            assert torch.equal(batch.idx_mapping, torch.from_numpy(batch.idx_mapping_np))
+            steps.append(
+                (list(batch.req_ids), batch.idx_mapping_np.tolist(), [*map(list, in_flight)])
+            )
+            pending = inner.prepare_output(batch, num_rejected)
+            if pending is None:
+                return None
+            in_flight.append(list(batch.req_ids))
+            return Pending(pending, in_flight[-1])
+
+        return WorkerHandle("indices", inner.worker, inner.capture_buffer, prepare, lambda: 0)
+
+    return factory
+
+
+@pytest.mark.parametrize(
+    "scenario, reuses_in_flight",
+    [("finish_in_flight", True), ("shared_prefix", False), ("preemption", False),
+     ("multi_turn", False)],
+)  # fmt: skip
+def test_batches_carry_request_indices_as_model_runner_v2_assigns_them(scenario, reuses_in_flight):
+    """Indices are distinct in a batch, below max_num_seqs, kept by a request while it runs,
+    and (MRV2's last-freed-first-taken) one finished request's index goes to a new request
+    while a step that names the old owner is still in flight: the case a device state keyed
+    by index must get right."""
+    trace = make_trace(scenario, seed=3)
+    steps: list = []
+    run_trace(trace, _recording_indices(steps))
+    owner: dict[int, str] = {}
+    reused_in_flight = 0
+    for req_ids, indices, in_flight in steps:
+        assert len(set(indices)) == len(indices)
+        assert all(0 <= i < trace.config.max_num_seqs for i in indices)
+        flying = {r for batch in in_flight for r in batch}
+        for req_id, index in zip(req_ids, indices):
+            previous = owner.get(index)
+            if previous is not None and previous != req_id and previous in flying:
+                reused_in_flight += 1
+            owner[index] = req_id
+    if reuses_in_flight:  # aborts landing while the request's steps are in flight
+        assert reused_in_flight > 0, "no index was reused with its old owner's step in flight"
