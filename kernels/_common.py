@@ -24,12 +24,16 @@ class Status(enum.IntEnum):
     BAD_BLOCK = 2  # a needed block is outside the row's block window or the table, or maps
     # to a slot outside [0, S)
     BAD_ROWS = 3  # query_start_loc starts < 0 or decreases anywhere, or r's rows pass num_rows
+    BAD_INDEX = 4  # (gather_alloc) request_index[r] outside [0, N)
+    NO_STOCK = 5  # (gather_alloc) the free-slot queue cannot cover r's new blocks
 
 
 STATUS_OK = int(Status.OK)
 STATUS_BAD_REJECTED = int(Status.BAD_REJECTED)
 STATUS_BAD_BLOCK = int(Status.BAD_BLOCK)
 STATUS_BAD_ROWS = int(Status.BAD_ROWS)
+STATUS_BAD_INDEX = int(Status.BAD_INDEX)
+STATUS_NO_STOCK = int(Status.NO_STOCK)
 
 CAPTURE_DTYPES = (torch.int32, torch.uint8, torch.uint16)
 DEST_DTYPES = (torch.uint8, torch.uint16)

@@ -26,6 +26,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
+from r3capture.kernels.gather_alloc import _ALLOC_SCAN, _PLAN_CHUNK, _gather_alloc_kernel
 from r3capture.kernels.gather_pack import _NUM_WARPS, _gather_pack_kernel, _tile_config
 
 # A100 (sm_80), H100/H200 (sm_90), B200/GB200 (sm_100) and RTX/RTX PRO Blackwell (sm_120).
@@ -94,6 +95,76 @@ GATHER_PACK_SPECS = (
 )
 
 
+@dataclass(frozen=True)
+class GatherAllocSpec:
+    """One compiled variant of the slot-taking gather kernel (``gather_alloc``)."""
+
+    name: str
+    num_layers: int
+    top_k: int
+    hash_block: int
+    capture: str = "i32"
+    dest: str = "u8"
+    index: str = "i32"  # query_start_loc, num_rejected
+    request_index: str = "i64"  # MRV2's input_batch.idx_mapping
+    positions: str = "i64"
+    has_rejected: bool = True
+    has_fresh: bool = False
+    rows_layout: bool = False
+
+    def source(self) -> ASTSource:
+        fn = _gather_alloc_kernel
+        signature = {
+            "capture_ptr": f"*{self.capture}",
+            "qsl_ptr": f"*{self.index}",
+            "pos_ptr": f"*{self.positions}",
+            "idx_ptr": f"*{self.request_index}",
+            "rejected_ptr": f"*{self.index}",
+            "fresh_ptr": "*u8",
+            "ring_ptr": "*i64",
+            "record_ptr": "*i64",
+            "queue_ptr": "*i32",
+            "heads_ptr": "*i64",
+            "dest_ptr": f"*{self.dest}",
+            "info_ptr": "*i32",
+        }
+        signature.update({name: "i32" for name in _ALLOC_I32_ARGS})
+        signature.update({name: "i64" for name in ("launch", "queue_tail")})
+        tiles = _tile_config(self.num_layers * self.top_k)
+        constexprs = {
+            "ROW_ELEMS": self.num_layers * self.top_k,
+            "HASH_BLOCK": self.hash_block,
+            "HAS_REJECTED": self.has_rejected,
+            "HAS_FRESH": self.has_fresh,
+            "ROWS_LAYOUT": self.rows_layout,
+            "BLOCK_ROWS": tiles["BLOCK_ROWS"],
+            "BLOCK_COLS": tiles["BLOCK_COLS"],
+            "BLOCK_REQS": tiles["BLOCK_REQS"],
+            "SCAN": min(_ALLOC_SCAN, tiles["SCAN_ROWS"]),
+            "CHUNK": min(_PLAN_CHUNK, tiles["SCAN_ROWS"]),
+        }
+        signature.update({name: "constexpr" for name in constexprs})
+        missing = set(fn.arg_names) - set(signature)
+        if missing:
+            raise AssertionError(f"AOT signature lacks kernel arguments {sorted(missing)}")
+        return ASTSource(fn=fn, signature=signature, constexprs=constexprs)
+
+
+_ALLOC_I32_ARGS = (
+    "num_reqs", "row_limit", "num_slots", "num_indices", "ring_width", "queue_size",
+    "num_steps", "stride_ring", "stride_dest", "stride_info",
+)  # fmt: skip
+
+GATHER_ALLOC_SPECS = (
+    GatherAllocSpec("alloc-tiny-L1K1-B16-u8", 1, 1, 16),
+    GatherAllocSpec("alloc-qwen3-30b-a3b-48x8-B16-u8", 48, 8, 16),
+    GatherAllocSpec("alloc-qwen3-30b-a3b-48x8-B16-u8-fresh", 48, 8, 16, has_fresh=True),
+    GatherAllocSpec("alloc-kimi-k2-61x8-B16-u16-norej", 61, 8, 16, dest="u16", has_rejected=False),
+    GatherAllocSpec("alloc-kimi-k2-61x8-B16-u16-rows", 61, 8, 16, dest="u16", rows_layout=True),
+    GatherAllocSpec("alloc-wide-row-65x64-B16-u16", 65, 64, 16, dest="u16"),
+)
+
+
 def _ptxas_usage(ptx: str, arch: int) -> dict:
     """Registers and spill bytes per thread, from the ptxas that ships with Triton."""
     try:
@@ -120,7 +191,7 @@ def _ptxas_usage(ptx: str, arch: int) -> dict:
     return {"registers": int(regs.group(1)), "spill_bytes": sum(int(x) for x in spills)}
 
 
-def compile_spec(spec: GatherPackSpec, arch: int) -> dict:
+def compile_spec(spec: GatherPackSpec | GatherAllocSpec, arch: int) -> dict:
     """Compile one spec for sm_<arch>; returns a JSON-able record (cubin size, registers)."""
     t0 = time.perf_counter()
     kernel = triton.compile(
@@ -128,7 +199,7 @@ def compile_spec(spec: GatherPackSpec, arch: int) -> dict:
     )
     cubin = kernel.asm.get("cubin", b"")
     return {
-        "kernel": "gather_pack",
+        "kernel": "gather_alloc" if isinstance(spec, GatherAllocSpec) else "gather_pack",
         "spec": spec.name,
         "arch": f"sm_{arch}",
         "cubin_bytes": len(cubin),
@@ -153,7 +224,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     failed = 0
     for arch in args.arch or ARCHS:
-        for spec in GATHER_PACK_SPECS:
+        for spec in GATHER_PACK_SPECS + GATHER_ALLOC_SPECS:
             try:
                 record = compile_spec(spec, arch)
             except Exception as exc:  # noqa: BLE001 - report every failing spec, then exit 1

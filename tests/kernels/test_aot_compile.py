@@ -20,6 +20,10 @@ ARCHS = tuple(f"sm_{arch}" for arch in ARCH_NUMBERS)
 # ptxas reports a few bytes of spill per thread on sm_120 (RTX Blackwell), at the same tiles
 # that fit sm_80/90/100 with none; no such card has measured whether it costs anything.
 SPILL_BYTES_ALLOWED = {"sm_120": 32}
+# The slot-taking kernel keeps each request's plan (a dozen int64 values) live across its
+# loops: ptxas spills up to 32 bytes of it on some arch and Triton pairs (triton 3.6 caps
+# sm_80/90 at 96 registers there), none of which a GPU has measured yet.
+ALLOC_SPILL_BYTES = 32
 
 
 @pytest.mark.slow
@@ -35,14 +39,18 @@ def test_every_specialization_compiles_to_a_cubin(tmp_path) -> None:
     errors = [r for r in records if "error" in r]
     assert proc.returncode == 0 and not errors, (errors, proc.stderr[-4000:])
 
-    from r3capture.kernels.aot import GATHER_PACK_SPECS
+    from r3capture.kernels.aot import GATHER_ALLOC_SPECS, GATHER_PACK_SPECS
 
-    expected = {(spec.name, arch) for spec in GATHER_PACK_SPECS for arch in ARCHS}
+    specs = GATHER_PACK_SPECS + GATHER_ALLOC_SPECS
+    expected = {(spec.name, arch) for spec in specs for arch in ARCHS}
     assert {(r["spec"], r["arch"]) for r in records} == expected
     for r in records:
         assert r["cubin_bytes"] > 0, r
         # A memory-bound kernel that spills registers has outgrown its tile sizes.
         assert "registers" in r, r  # ptxas read the PTX (its usage is what is checked)
-        assert r["spill_bytes"] <= SPILL_BYTES_ALLOWED.get(r["arch"], 0), r
+        allowed = SPILL_BYTES_ALLOWED.get(r["arch"], 0)
+        if r["kernel"] == "gather_alloc":
+            allowed = max(allowed, ALLOC_SPILL_BYTES)
+        assert r["spill_bytes"] <= allowed, r
         cubin = (out / f"{r['spec']}.{r['arch']}.cubin").read_bytes()
         assert cubin[:4] == b"\x7fELF" and len(cubin) == r["cubin_bytes"], r["spec"]

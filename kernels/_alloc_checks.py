@@ -1,0 +1,224 @@
+"""Argument checks shared by the slot-taking gather kernel's launcher and its reference.
+
+Same rules as ``_common`` (host-visible properties only: shapes, dtypes, devices, strides;
+values on the device are checked by the kernel and reported per request), for the state
+``gather_alloc`` keeps on the device (``docs/device_slots.md``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import torch
+
+from r3capture.kernels._common import (
+    CAPTURE_DTYPES,
+    INDEX_DTYPES,
+    GatherPackArgumentError,
+    _check_dest,
+    _inner_dense,
+    _is_count,
+    _same_memory,
+)
+
+# Records pack (launch serial << RECORD_HI_BITS) | (hi + 1); ring entries (block << 32) | slot.
+RECORD_HI_BITS = 24
+BLOCK_LIMIT = (1 << RECORD_HI_BITS) - 2  # hash blocks 0 .. BLOCK_LIMIT - 1 have slots
+LAUNCH_LIMIT = 1 << (63 - RECORD_HI_BITS)
+# Per-request flags (nonzero: the request's index is new to it this launch).
+FRESH_DTYPES = (torch.bool, torch.uint8, torch.int32)
+
+
+class AllocShape(NamedTuple):
+    """Host-side sizes and scalars of one ``gather_alloc`` launch, after validation."""
+
+    num_reqs: int
+    row_limit: int
+    launch: int
+    queue_tail: int
+
+
+@dataclass(frozen=True)
+class AllocStatic:
+    """The validated step-independent arguments of ``gather_alloc``."""
+
+    num_layers: int
+    top_k: int
+    hash_block: int
+    num_slots: int
+    rows_layout: bool
+    capture_rows: int
+    dest_rows: int
+    num_indices: int  # N: request indices the ring and records cover
+    ring_width: int  # D
+    queue_size: int  # Q
+    max_requests: int  # step_info rows
+    device: torch.device
+
+
+def _fail(name: str, expected: str, value: object) -> GatherPackArgumentError:
+    if isinstance(value, torch.Tensor):
+        t = value
+        actual = f"shape {tuple(t.shape)}, dtype {t.dtype}, device {t.device}, stride {t.stride()}"
+    else:
+        actual = repr(value)
+    return GatherPackArgumentError(name, f"gather_alloc: {name} must be {expected}; got {actual}")
+
+
+def _tensor(name: str, t: object, ndim: int, dtypes: tuple[torch.dtype, ...]) -> torch.Tensor:
+    if not isinstance(t, torch.Tensor):
+        raise _fail(name, "a torch.Tensor", type(t).__name__)
+    if t.dim() != ndim:
+        raise _fail(name, f"{ndim}-D", t)
+    if t.dtype not in dtypes:
+        names = "/".join(str(d).removeprefix("torch.") for d in dtypes)
+        raise _fail(name, f"of dtype {names}", t)
+    return t
+
+
+def _on(name: str, t: torch.Tensor, device: torch.device, *, pinned_ok: bool = False) -> None:
+    if t.device == device:
+        return
+    if pinned_ok and device.type == "cuda" and t.device.type == "cpu" and t.is_pinned():
+        return
+    where = f"on the capture's device ({device})"
+    raise _fail(name, where + (" or pinned host memory" if pinned_ok else ""), t)
+
+
+def _dense(name: str, t: torch.Tensor) -> None:
+    if not t.is_contiguous():
+        raise _fail(name, "contiguous (the kernel reads it as a dense array)", t)
+
+
+def check_alloc_static_args(
+    *,
+    capture: torch.Tensor,
+    ring: torch.Tensor,
+    records: torch.Tensor,
+    queue: torch.Tensor,
+    heads: torch.Tensor,
+    dest: torch.Tensor,
+    step_info: torch.Tensor,
+    hash_block: int | None,
+    num_slots: int | None,
+) -> AllocStatic:
+    """Validate what stays the same from launch to launch; raises ValueError naming it."""
+    capture = _tensor("capture", capture, 3, CAPTURE_DTYPES)
+    num_cap_rows, num_layers, top_k = capture.shape
+    if num_layers == 0 or top_k == 0:
+        raise _fail("capture", "non-empty in L and K", capture)
+    if not _inner_dense(capture, 0):
+        raise _fail("capture", "contiguous", capture)
+    try:
+        hash_block, num_slots, rows_layout = _check_dest(dest, capture, hash_block, num_slots)
+    except GatherPackArgumentError as exc:
+        raise GatherPackArgumentError(
+            exc.argument, str(exc).replace("gather_pack:", "gather_alloc:", 1)
+        ) from None
+    device = capture.device
+    ring = _tensor("ring", ring, 2, (torch.int64,))
+    if ring.shape[1] == 0 or (ring.shape[1] > 1 and ring.stride(1) != 1):
+        raise _fail("ring", "[N, D] with D >= 1, contiguous along dim 1", ring)
+    records = _tensor("records", records, 2, (torch.int64,))
+    if records.shape != (ring.shape[0], 2) or records.stride(1) != 1:
+        raise _fail("records", f"[N, 2] (N = {ring.shape[0]} ring rows), dense rows", records)
+    queue = _tensor("queue", queue, 1, (torch.int32,))
+    if queue.shape[0] == 0:
+        raise _fail("queue", "non-empty", queue)
+    _dense("queue", queue)
+    heads = _tensor("heads", heads, 1, (torch.int64,))
+    if heads.shape[0] != 2:
+        raise _fail("heads", "[2]", heads)
+    _dense("heads", heads)
+    step_info = _tensor("step_info", step_info, 2, (torch.int32,))
+    if step_info.shape[1] != 4:
+        raise _fail("step_info", "[R, 4]", step_info)
+    if step_info.stride(1) != 1 or (step_info.shape[0] > 1 and step_info.stride(0) < 4):
+        raise _fail("step_info", "of non-overlapping rows, contiguous along dim 1", step_info)
+    for name, t in (("ring", ring), ("records", records), ("heads", heads)):
+        _on(name, t, device)
+    _on("queue", queue, device, pinned_ok=True)
+    if step_info.shape[0]:
+        _on("step_info", step_info, device, pinned_ok=True)
+    written = (("ring", ring), ("records", records), ("heads", heads), ("step_info", step_info))
+    for i, (name, t) in enumerate(written):
+        others = [*written[i + 1 :], ("dest", dest), ("capture", capture), ("queue", queue)]
+        for other_name, other in others:
+            if t.numel() and other.numel() and _same_memory(t, other):
+                raise _fail(name, f"memory apart from {other_name}", t)
+    return AllocStatic(
+        num_layers=num_layers,
+        top_k=top_k,
+        hash_block=hash_block,
+        num_slots=num_slots,
+        rows_layout=rows_layout,
+        capture_rows=num_cap_rows,
+        dest_rows=dest.shape[0],
+        num_indices=ring.shape[0],
+        ring_width=ring.shape[1],
+        queue_size=queue.shape[0],
+        max_requests=step_info.shape[0],
+        device=device,
+    )
+
+
+def check_alloc_step_args(
+    static: AllocStatic,
+    *,
+    query_start_loc: object,
+    positions: object,
+    request_index: object,
+    num_rejected: object,
+    fresh: object,
+    num_reqs: object,
+    num_rows: object,
+    launch: object,
+    queue_tail: object,
+) -> AllocShape:
+    """Validate one launch's arguments; ``num_reqs`` None means ``len(query_start_loc) - 1``
+    and ``num_rows`` None every capture row."""
+    device = static.device
+    qsl = _tensor("query_start_loc", query_start_loc, 1, INDEX_DTYPES)
+    if qsl.shape[0] == 0:
+        raise _fail("query_start_loc", "of length R+1 >= 1", qsl)
+    _dense("query_start_loc", qsl)
+    _on("query_start_loc", qsl, device)
+    if num_reqs is None:
+        num_reqs = qsl.shape[0] - 1
+    max_reqs = min(qsl.shape[0] - 1, static.max_requests)
+    if not _is_count(num_reqs, max_reqs):
+        raise _fail("num_reqs", f"an int in [0, {max_reqs}] (query_start_loc, step_info)", num_reqs)
+    if num_rows is None:
+        num_rows = static.capture_rows
+    if not _is_count(num_rows, static.capture_rows):
+        raise _fail("num_rows", f"an int in [0, {static.capture_rows}] (capture rows)", num_rows)
+    if static.rows_layout and static.dest_rows < num_rows:
+        raise _fail("dest", f"[rows >= num_rows ({num_rows}), L, K]", f"{static.dest_rows} rows")
+    pos = _tensor("positions", positions, 1, INDEX_DTYPES)
+    if pos.shape[0] < num_rows:
+        raise _fail("positions", f"of length >= num_rows ({num_rows})", pos)
+    _dense("positions", pos)
+    _on("positions", pos, device)
+    index = _tensor("request_index", request_index, 1, INDEX_DTYPES)
+    if index.shape[0] < num_reqs:
+        raise _fail("request_index", f"of length >= num_reqs ({num_reqs})", index)
+    _dense("request_index", index)
+    _on("request_index", index, device)
+    if num_rejected is not None:
+        rejected = _tensor("num_rejected", num_rejected, 1, INDEX_DTYPES)
+        if rejected.shape[0] < num_reqs:
+            raise _fail("num_rejected", f"of length >= num_reqs ({num_reqs})", rejected)
+        _dense("num_rejected", rejected)
+        _on("num_rejected", rejected, device)
+    if fresh is not None:
+        flags = _tensor("fresh", fresh, 1, FRESH_DTYPES)
+        if flags.shape[0] < num_reqs:
+            raise _fail("fresh", f"of length >= num_reqs ({num_reqs})", flags)
+        _dense("fresh", flags)
+        _on("fresh", flags, device, pinned_ok=True)
+    if not _is_count(launch, LAUNCH_LIMIT - 1, lower=1):
+        raise _fail("launch", f"an int in [1, {LAUNCH_LIMIT - 1}]", launch)
+    if not _is_count(queue_tail):
+        raise _fail("queue_tail", "an int >= 0", queue_tail)
+    return AllocShape(int(num_reqs), int(num_rows), int(launch), int(queue_tail))
