@@ -214,6 +214,7 @@ _BATCH_FIELD_OF = {
     "query_start_loc": "query_start_loc",
     "num_reqs": "query_start_loc",
     "positions": "positions",
+    "request_index": "idx_mapping",
 }
 
 
@@ -224,7 +225,7 @@ def input_batch_error(exc: Exception) -> Exception:
     field = _BATCH_FIELD_OF.get(getattr(exc, "argument", None))
     if field is None:
         return exc
-    per = "request and one more" if field == "query_start_loc" else "row"
+    per = {"query_start_loc": "request and one more", "idx_mapping": "request"}.get(field, "row")
     return ValueError(
         f"input_batch.{field} must be the 1-D integer tensor on the device that Model Runner "
         f"V2 provides, with an entry per {per} ({exc})"

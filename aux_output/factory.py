@@ -24,8 +24,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from r3capture.aux_output import compat
-from r3capture.aux_output.sizing import WorkerSizing
-from r3capture.aux_output.slot_planner import REATTACH_TOKENS
+from r3capture.aux_output.sizing import REATTACH_TOKENS, WorkerSizing
 
 logger = logging.getLogger("vllm.r3capture")
 

@@ -2,10 +2,10 @@
 
 ``RequestBook`` applies the scheduler's metadata (rows for new requests; the step's key
 work of new block hashes, pins and teardown is recorded for the output thread,
-``key_work.py``), launches each step after taking the slots it needs (only requests that
-enter a new hash block get them, ``LOOKAHEAD_TOKENS`` ahead, ``slot_planner.py``;
-everything else is already in the device slot ring), and commits processed steps (recorded
-key work, checks, cursors, emitted rows, publication, prefix-cache hits, deferred teardown).
+``key_work.py``), launches each step (the kernel takes the slots its requests' new blocks
+need from the free-slot queue, ``slot_queue.py``), and commits processed steps (the slots
+each request took, recorded key work, checks, cursors, emitted rows, publication,
+prefix-cache hits, deferred teardown, the queue's refill).
 The worker serializes every call under its lock, in vLLM's call order; store calls are
 queued and applied in order by ``process_output`` (``Publisher``).
 """
@@ -27,12 +27,13 @@ from r3capture.aux_output.output_pool import OutputPool
 from r3capture.aux_output.publisher import Publisher
 from r3capture.aux_output.request_table import RequestTable
 from r3capture.aux_output.row_reader import RowReader
-from r3capture.aux_output.sizing import WorkerSizing, require_int
-from r3capture.aux_output.slot_planner import SlotPlanner, lookahead_blocks, ring_widths
+from r3capture.aux_output.sizing import WorkerSizing, queue_stock, require_int, ring_widths
+from r3capture.aux_output.slot_queue import SlotQueue
 from r3capture.aux_output.step_commit import StepLayout, check_not_overwritten, commit_step
 from r3capture.aux_output.steps_in_flight import StepsInFlight
 from r3capture.aux_output.types import AuxOutputConnectorMetadata, AuxRequestOutput
-from r3capture.kernels import GatherPackArgumentError, GatherPackShape
+from r3capture.kernels import GatherPackArgumentError
+from r3capture.kernels._alloc_checks import AllocShape
 from r3capture.store import BlockStore
 
 
@@ -52,25 +53,25 @@ class RequestBook:
         B = self._block_size = sizing.hash_block_size
         self.destination = destination
         depth = sizing.max_concurrent_batches
-        lookahead = lookahead_blocks(B)
-        ring_width, device_width = ring_widths(sizing.max_num_batched_tokens, B, depth)
-        self.table = RequestTable(
-            ring_width, capacity=sizing.max_num_seqs + 1, device_width=device_width
-        )
+        ring_width, self._device_width = ring_widths(sizing.max_num_batched_tokens, B, depth)
+        self.table = RequestTable(ring_width, capacity=sizing.max_num_seqs + 1)
         self.generation = 0
         self.device_side: DeviceSide | None = None
+        self._queue: SlotQueue | None = None
+        # Launches so far: the kernel's serial for the next is one more.
+        self._launches = 0
         self._wait_for_device_writes = wait_for_device_writes
-        # Set when the host ring or the store arena is replaced: the device side must attach
-        # again before the next launch.
+        # Set when the store arena is replaced: the device side must attach again before
+        # the next launch.
         self._detached = True
+        self._stock = queue_stock(sizing)
         self.store = BlockStore(
             max_bytes=sizing.max_bytes,
             object_nbytes=sizing.block_nbytes,
-            # Blocks a step can touch plus each request's open block and lookahead, for every
-            # step in flight (vLLM's staging bound), plus one step of blocks handed over by
-            # begin_step whose store call waits for the output thread.
-            reserve_slots=(depth + 1) * sizing.blocks_per_step
-            + sizing.max_num_seqs * (1 + lookahead),
+            # The queue's stock, plus the blocks a step can touch and each request's open
+            # block for every step in flight (vLLM's staging bound), plus one step of blocks
+            # handed over by begin_step whose store call waits for the output thread.
+            reserve_slots=self._stock + (depth + 1) * sizing.blocks_per_step + sizing.max_num_seqs,
             # The kernel writes the arena through unified addressing: it must be pinned.
             pin_memory=destination == "direct" and device.type == "cuda",
             on_grow=self._on_store_grow,
@@ -80,7 +81,6 @@ class RequestBook:
         output_pool_bytes = require_int("output_pool_bytes", output_pool_bytes, minimum=0)
         self._publisher = Publisher(self.store, self.table, B)
         self._key_work = KeyWorkQueue(self.table, self._publisher)
-        self._slots = SlotPlanner(self.table, self.store, B, self._key_work.apply_teardown)
         self._reader = RowReader(
             self.store,
             self.table,
@@ -95,20 +95,25 @@ class RequestBook:
 
     def make_device_side(self, capture_buffer: torch.Tensor, kernel_impl: str) -> DeviceSide:
         """The device half, sized from this book; the book launches through it."""
+        sizing = self.sizing
         self.device_side = DeviceSide(
             capture_buffer=capture_buffer,
-            dtype=self.sizing.dtype,
+            dtype=sizing.dtype,
             block_size=self._block_size,
-            max_num_seqs=self.sizing.max_num_seqs,
-            # New slots of one step (lookahead included), and each growing request's window.
-            max_updates=self.sizing.blocks_per_step
-            + self.sizing.max_num_seqs * (2 + self._slots.lookahead_blocks),
-            depth=self.sizing.max_concurrent_batches,
+            max_num_seqs=sizing.max_num_seqs,
+            ring_width=self._device_width,
+            # The stock, and room for one more launch's blocks beside it.
+            queue_size=self._stock + sizing.blocks_per_step,
+            depth=sizing.max_concurrent_batches,
             destination=self.destination,
             kernel_impl=kernel_impl,
         )
+        self._queue = SlotQueue(
+            self.device_side.queue_np, self.store, self._stock, self._key_work.apply_teardown
+        )
+        self._queue.refill()
         # Attached now rather than at the first launch: building the launches is one-time
-        # work (~0.4 ms on a CPU) that would otherwise land on the first step's main thread.
+        # work that would otherwise land on the first step's main thread.
         self._attach()
         return self.device_side
 
@@ -164,6 +169,11 @@ class RequestBook:
             reset_releases=reset_releases,
         )
 
+    @property
+    def queued_slots(self) -> int:
+        """Unbound store slots that sit in the device's free-slot queue."""
+        return self._queue.num_queued
+
     def is_tracked(self, request_id: str) -> bool:
         """Whether ``request_id`` has state here (as in vLLM: a finished request whose
         teardown waits for its steps in flight has, one whose teardown is recorded has not)."""
@@ -177,12 +187,9 @@ class RequestBook:
         try:
             return table.rows(ids, cache="scheduled")
         except KeyError:
-            capacity = table.capacity
             index = table.index
             new = [request_id for request_id in ids if request_id not in index]
             table.add_many(new, [requests[request_id] for request_id in new])
-            if table.capacity != capacity:
-                self._detached = True  # the table grew: its ring is a new array
             return table.rows(ids, cache="scheduled")
 
     # ------------------------------------------------------------------ prepare_output
@@ -207,55 +214,59 @@ class RequestBook:
         self, layout: StepLayout, input_batch: Any, num_rejected: torch.Tensor | None
     ) -> LaunchedStep:
         """Check the batch's device inputs (``query_start_loc`` ``[>= R+1]``, ``positions``
-        ``[>= num_rows]``, 1-D, on the device), give the step's requests the slots they need
-        and launch the kernel. A refused input changes nothing."""
+        ``[>= num_rows]``, ``idx_mapping`` ``[>= R]``, 1-D, on the device) and launch the
+        kernel. A refused input changes nothing."""
         num_rows = int(layout.query_start_loc[-1])
-        device_inputs = (None, None, None)
-        if layout.request_ids:
-            device_inputs = (
-                getattr(input_batch, "query_start_loc", None),
-                getattr(input_batch, "positions", None),
-                num_rejected,
+        num_reqs = len(layout.rows)
+        if not num_reqs:
+            launched = self.device_side.launch(
+                None, None, None, None, None, fresh=False, num_rows=num_rows
             )
-        shape = self._checked_shape(layout, device_inputs, num_rows)
-        ring_updates = self._slots.take_slots(layout)
-        if self._detached:
-            # begin_step grew the request table (a new ring array) or taking slots grew the
-            # store (a new arena): new launches, and the step's shape from them (it carries
-            # the slot count the reference kernel checks). Attached once, after both.
-            self._attach()
-            shape = self._checked_shape(layout, device_inputs, num_rows)
-        query_start_loc, positions, num_rejected = device_inputs
-        launched = self.device_side.launch(
-            table_row=layout.rows,
-            ring_updates=ring_updates,
-            shape=shape,
-            query_start_loc=query_start_loc,
-            positions=positions,
-            num_rejected=num_rejected,
-            num_rows=num_rows,
+            self._steps.add(layout)
+            return launched
+        device_inputs = (
+            getattr(input_batch, "query_start_loc", None),
+            getattr(input_batch, "positions", None),
+            getattr(input_batch, "idx_mapping", None),
+            num_rejected,
         )
+        queue = self._queue
+        shape = self._checked_shape(device_inputs, num_reqs, num_rows, queue.tail)
+        # Most blocks the launch can open: each request's rows and a partial first block.
+        tail = queue.reserve(num_rows // self._block_size + num_reqs)
+        if self._detached:
+            self._attach()  # refilling grew the store: a new arena
+        if tail != shape.queue_tail:
+            shape = shape._replace(queue_tail=tail)
+        fresh = self.table.take_fresh(layout.rows)
+        if fresh is not None:
+            self.device_side.fresh_flags()[:num_reqs] = fresh
+        launched = self.device_side.launch(
+            shape, *device_inputs, fresh=fresh is not None, num_rows=num_rows
+        )
+        self._launches += 1
         self._steps.add(layout)
         return launched
 
     def _checked_shape(
-        self, layout: StepLayout, device_inputs: tuple[Any, Any, Any], num_rows: int
-    ) -> GatherPackShape | None:
-        """The launcher's check of ``(query_start_loc, positions, num_rejected)``; None for a
-        step without requests. A refused input raises the error naming ``input_batch``."""
-        if not layout.request_ids:
-            return None
+        self, device_inputs: tuple[Any, ...], num_reqs: int, num_rows: int, queue_tail: int
+    ) -> AllocShape:
+        """The launcher's check of ``(query_start_loc, positions, idx_mapping,
+        num_rejected)``. A refused input raises the error naming ``input_batch``."""
         try:
             return self.device_side.check_step(
-                *device_inputs, num_reqs=len(layout.rows), num_rows=num_rows
+                *device_inputs,
+                num_reqs=num_reqs,
+                num_rows=num_rows,
+                launch=self._launches + 1,
+                queue_tail=queue_tail,
             )
         except GatherPackArgumentError as exc:
             raise input_batch_error(exc) from None
 
     def _attach(self) -> None:
-        """Build the device ring from the table again (its arrays are replaced when it grows)
-        and make the kernel's destination the store's current arena."""
-        self.device_side.attach(self.table.device_ring(), self._arena_blocks())
+        """Make the kernel's destination the store's current arena."""
+        self.device_side.attach(self._arena_blocks())
         self._detached = False
 
     def _arena_blocks(self) -> torch.Tensor:
@@ -280,6 +291,9 @@ class RequestBook:
             self.device_side.count_transfer(launched, 0)
             return {}
         step_info, staged_rows = self.device_side.host_results(launched)
+        # First, so that the host's account of the queue follows the device's whatever the
+        # checks find.
+        self._take_new_slots(layout, launched, step_info)
         plan = commit_step(
             layout, self.table, num_sampled, num_rejected, step_info, self._block_size
         )
@@ -301,11 +315,34 @@ class RequestBook:
             rows = self._reader.materialize(request_id, int(layout.rows[i]), emit_start, token_end)
             outputs[request_id] = AuxRequestOutput(emit_start, rows)
         self.device_side.count_transfer(launched, plan.rows_written)
+        self._queue.refill()
         return outputs
 
-    def settle(self, layout: StepLayout, *, teardown: bool) -> None:
+    def _take_new_slots(
+        self, layout: StepLayout, launched: LaunchedStep, step_info: np.ndarray
+    ) -> None:
+        """Give the step's requests the slots their launch took from the queue (its
+        ``step_info[:, 3]``, in batch order): each request's new blocks start at its ring's
+        end, or at its first captured block."""
+        launched.accounted = True
+        taken = step_info[:, 3]
+        slots = self._queue.commit(taken)
+        if not slots.size:
+            return
+        grew = taken.nonzero()[0]
+        rows = layout.rows[grew]
+        ends = self.table.end[rows]
+        firsts = np.where(ends == 0, step_info[grew, 0].astype(np.int64) // self._block_size, ends)
+        self.table.extend(rows, firsts, taken[grew].astype(np.int64), slots)
+
+    def settle(self, layout: StepLayout, launched: LaunchedStep, *, teardown: bool) -> None:
         """The step is no longer in flight; with ``teardown``, requests that finished while
-        it was tear down now (their keys released, their slots freed)."""
+        it was tear down now (their keys released, their slots freed). A step that failed
+        before its commit read its results still hands its requests the slots it took, so
+        the host's account of the queue keeps following the device's."""
+        if launched.num_reqs and not launched.accounted:
+            step_info = self.device_side.results_after_failure(launched)
+            self._take_new_slots(layout, launched, step_info)
         request_ids, rows = self._steps.settle(layout, teardown=teardown)
         if request_ids:
             self._publisher.publish(release_keys=self.table.release_order(rows))

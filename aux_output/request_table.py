@@ -6,25 +6,17 @@ order; the same objects from the step their hashes arrive to the request's relea
 ring of store slots: the slot of hash block ``b`` sits at ``ring[row, b % W]``. The
 ring holds the request's *unbound* blocks ``base .. end - 1``: blocks complete and get keys
 in order, so everything below ``base`` is bound in the store (or was a cached prefix) and the
-unbound blocks are always one contiguous range of at most ``W`` blocks.
-
-The device keeps a narrower ring, ``D <= W`` columns plus two for the window of blocks the
-kernel may write for the row (``device_ring()``): a step writes only the blocks from its first
-row to the request's last block with a slot, and with several steps in flight the unbound
-range spans all of them. The window is the row's last ``D`` blocks with a slot (at most its
-unbound range), set when the row takes new slots and mirrored in ``ring[row, W:W + 2]``.
-Inside it, block ``b``'s slot sits at device column ``b % D``: blocks are taken in order and
-the window never holds two blocks ``D`` apart, so an entry, once uploaded, stays valid while
-its block is in the window, and a take uploads only its new blocks inside the new window.
+unbound blocks are always one contiguous range of at most ``W`` blocks. The kernel takes the
+slots on the device; each commit hands the table the ones its step took (``extend``).
 
 The table owns these invariants; callers change state only through its methods, except the
-cursor columns (``cursor``, ``scheduled``, ``emit``, ``finished``) that the step commit writes
-as whole vectors.
+cursor columns (``cursor``, ``scheduled``, ``emit``, ``finished``, ``launched``) that the step
+commit and the launch write as whole vectors.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
 import numpy as np
 
@@ -39,22 +31,15 @@ class RequestTable:
     Args:
         ring_width: ``W``, most unbound blocks one request can hold.
         capacity: initial number of rows (doubles when full).
-        device_width: ``D`` (at most ``W``, the default), most blocks one step of a request
-            can write: the width of the device's ring.
     """
 
     _INT_FIELDS = ("cursor", "scheduled", "emit", "base", "end", "num_keys")
 
-    def __init__(
-        self, ring_width: int, capacity: int = 64, device_width: int | None = None
-    ) -> None:
+    def __init__(self, ring_width: int, capacity: int = 64) -> None:
         self.ring_width = int(ring_width)
-        self.device_width = self.ring_width if device_width is None else int(device_width)
-        if not 0 < self.device_width <= self.ring_width:
-            raise ValueError(
-                f"device_width must be in 1..ring_width ({self.ring_width}), got {device_width}"
-            )
         self.index: dict[str, int] = {}
+        # Rows added and not yet named by a launch (``take_fresh``).
+        self.num_unlaunched = 0
         self._keys: list[list[bytes]] = []
         self._free_rows: list[int] = []
         self._capacity = 0
@@ -68,8 +53,10 @@ class RequestTable:
         # keys known (one per hash block).
         self.cursor = self.scheduled = self.emit = np.empty(0, np.int64)
         self.base = self.end = self.num_keys = np.empty(0, np.int64)
-        self.finished = np.empty(0, bool)
-        self.ring = np.empty((0, self.ring_width + 2), np.int32)
+        # finished: the scheduler finished it; launched: a launch has named it (until then
+        # its request index may hold an earlier request's device state).
+        self.finished = self.launched = np.empty(0, bool)
+        self.ring = np.empty((0, self.ring_width), np.int32)
         self._grow(capacity)
 
     def __len__(self) -> int:
@@ -86,12 +73,12 @@ class RequestTable:
             array[:old] = getattr(self, name)
             setattr(self, name, array)
         self.cursor[old:] = NO_CURSOR
-        finished = np.zeros(capacity, bool)
-        finished[:old] = self.finished
-        self.finished = finished
-        ring = np.full((capacity, self.ring_width + 2), -1, np.int32)
+        for name in ("finished", "launched"):
+            flags = np.zeros(capacity, bool)
+            flags[:old] = getattr(self, name)
+            setattr(self, name, flags)
+        ring = np.full((capacity, self.ring_width), -1, np.int32)
         ring[:old] = self.ring
-        ring[old:, self.ring_width] = 0  # empty window [0, -1]
         self.ring = ring
         self._keys.extend([] for _ in range(capacity - old))
         self._free_rows.extend(range(capacity - 1, old - 1, -1))
@@ -117,6 +104,7 @@ class RequestTable:
         del free[len(free) - n :]
         self.index.update(zip(request_ids, taken))
         self.version += 1
+        self.num_unlaunched += n
         rows = np.array(taken, np.int64)
         self.emit[rows] = emit_starts
         return rows
@@ -154,6 +142,7 @@ class RequestTable:
                     del index[request_id]
         self.version += 1
         taken = np.asarray(rows, np.int64)
+        self.num_unlaunched -= len(taken) - int(np.count_nonzero(self.launched[taken]))
         slots = self.unbound_slots(taken)
         for row in rows:
             self._keys[row] = []
@@ -161,7 +150,7 @@ class RequestTable:
         self.cursor[taken] = NO_CURSOR
         self.scheduled[taken] = self.emit[taken] = 0
         self.base[taken] = self.end[taken] = self.num_keys[taken] = 0
-        self.finished[taken] = False
+        self.finished[taken] = self.launched[taken] = False
         self._free_rows.extend(rows)
         return slots
 
@@ -196,113 +185,40 @@ class RequestTable:
         return join_key_objects(map(reversed, map(self._keys.__getitem__, rows)))
 
     # ---------------------------------------------------------------- slots
-    def take_slots(
-        self,
-        rows: np.ndarray,
-        firsts: np.ndarray,
-        lasts: np.ndarray,
-        allocate: Callable[[int], np.ndarray],
-    ) -> tuple[np.ndarray, np.ndarray]:
-        """Extend each ``rows[i]`` (distinct) to blocks up to ``lasts[i]`` with new slots from
-        ``allocate(n)`` (``n`` slots, taken row by row in block order); ``firsts[i]`` is the
-        row's first block if it had none yet (ignored otherwise). int64 arrays ``[G]``.
-        Returns the device ring's changed entries (``device_ring()``'s layout) as int64
-        ``(flat index, value)``: the new slots inside each row's new window, row by row,
-        then each row's window starts and ends. Raises ``OverflowError`` (before any change
-        or ``allocate``) when a request would hold more than ``ring_width`` unbound blocks.
-        """
-        width, device_width = self.ring_width, self.device_width
+    def take_fresh(self, rows: np.ndarray) -> np.ndarray | None:
+        """For a launch of ``rows`` (int64, distinct): which of them no launch named before
+        (bool ``[len(rows)]``; their request index may hold an earlier request's state on the
+        device), now marked launched; None, at the cost of one comparison, when every live
+        row was launched before."""
+        if not self.num_unlaunched:
+            return None
+        fresh = ~self.launched[rows]
+        count = int(np.count_nonzero(fresh))
+        if not count:
+            return None
+        self.launched[rows] = True
+        self.num_unlaunched -= count
+        return fresh
+
+    def extend(
+        self, rows: np.ndarray, firsts: np.ndarray, counts: np.ndarray, slots: np.ndarray
+    ) -> None:
+        """Give each ``rows[i]`` (distinct) the slots of blocks ``firsts[i] ..
+        firsts[i] + counts[i] - 1`` from ``slots`` (int64, row by row, block order): the
+        blocks its launch took. ``firsts[i]`` is the row's ``end``, or its first block if it
+        had none. Raises ``OverflowError`` (before any change) when a request would hold
+        more than ``ring_width`` unbound blocks."""
         ends = self.end[rows]
-        new_rows = ends == 0
-        bases = np.where(new_rows, firsts, self.base[rows])
-        starts = np.where(new_rows, firsts, ends)
-        too_wide = lasts + 1 - bases > width
+        bases = np.where(ends == 0, firsts, self.base[rows])
+        lasts = firsts + counts
+        too_wide = lasts - bases > self.ring_width
         if too_wide.any():
             i = int(np.argmax(too_wide))
-            raise _ring_overflow(int(lasts[i] + 1 - bases[i]), width)
-        counts = lasts + 1 - starts
-        slots = allocate(int(counts.sum()))
-        row_of, block = _block_runs(rows, starts, counts)
-        lows = np.maximum(bases, lasts + 1 - device_width)
-        on_device = block >= np.repeat(lows, counts)
-        stride = width + 2
-        ring = self.ring.reshape(-1)
-        ring[row_of * stride + block % width] = slots
-        windows = rows * stride + width
-        ring[windows] = lows
-        ring[windows + 1] = lasts
+            raise _ring_overflow(int(lasts[i] - bases[i]), self.ring_width)
+        row_of, block = _block_runs(rows, firsts, counts)
+        self.ring[row_of, block % self.ring_width] = slots
         self.base[rows] = bases
-        self.end[rows] = lasts + 1
-        device_stride = device_width + 2
-        device_windows = rows * device_stride + device_width
-        return (
-            np.concatenate((
-                row_of[on_device] * device_stride + block[on_device] % device_width,
-                device_windows,
-                device_windows + 1,
-            )),
-            np.concatenate((slots[on_device], lows, lasts)),
-        )  # fmt: skip
-
-    def take_slots_per_request(
-        self,
-        rows: list[int],
-        firsts: list[int],
-        lasts: list[int],
-        allocate: Callable[[int], np.ndarray],
-    ) -> tuple[np.ndarray, np.ndarray]:
-        """``take_slots`` for a few requests, as a loop over Python ints: the same ring,
-        cursors, ``allocate`` call, result and errors, with ~4 numpy calls per request
-        instead of ~30 per call (``bench/RESULTS.md``, fast paths)."""
-        width, device_width = self.ring_width, self.device_width
-        device_stride = device_width + 2
-        base, end, ring = self.base, self.end, self.ring
-        bases, starts = [], []
-        for row, first, last in zip(rows, firsts, lasts):
-            old_end = end.item(row)
-            row_base = first if old_end == 0 else base.item(row)
-            if last + 1 - row_base > width:
-                raise _ring_overflow(last + 1 - row_base, width)
-            bases.append(row_base)
-            starts.append(first if old_end == 0 else old_end)
-        counts = [last + 1 - start for start, last in zip(starts, lasts)]
-        slots = allocate(sum(counts))
-        lows = [max(row_base, last + 1 - device_width) for row_base, last in zip(bases, lasts)]
-        index, values = [], []
-        taken = 0
-        for row, start, count, low, last in zip(rows, starts, counts, lows, lasts):
-            row_slots = slots[taken : taken + count]
-            taken += count
-            done = 0
-            for column, n in _wrapped_columns(start, count, width):
-                ring[row, column : column + n] = row_slots[done : done + n]
-                done += n
-            ring[row, width : width + 2] = low, last
-            end[row] = last + 1
-            skip = max(low - start, 0)
-            for column, n in _wrapped_columns(start + skip, count - skip, device_width):
-                first = row * device_stride + column
-                index.append(np.arange(first, first + n))
-            values.append(row_slots[skip:])
-        base[rows] = bases
-        device_windows = [row * device_stride + device_width for row in rows]
-        return (
-            np.concatenate((*index, device_windows, [w + 1 for w in device_windows])),
-            np.concatenate((*values, lows, lasts)),
-        )
-
-    def device_ring(self) -> np.ndarray:
-        """What the device's ring must hold now, int32 ``[capacity, D + 2]``: each row's
-        window (``ring[:, W:W + 2]``) and the slots of the blocks in it at column
-        ``block % D``; -1 elsewhere. ``take_slots``' updates keep a copy of it current."""
-        width, device_width = self.ring_width, self.device_width
-        device = np.full((self._capacity, device_width + 2), -1, np.int32)
-        device[:, device_width:] = self.ring[:, width:]
-        rows = self.end.nonzero()[0]
-        lows = self.ring[rows, width].astype(np.int64)
-        row_of, block = _block_runs(rows, lows, self.end[rows] - lows)
-        device[row_of, block % device_width] = self.ring[row_of, block % width]
-        return device
+        self.end[rows] = lasts
 
     def take_leading(self, rows: np.ndarray, counts: np.ndarray) -> np.ndarray:
         """Hand the first ``counts[i]`` unbound blocks of each ``rows[i]`` (distinct; int64
@@ -347,7 +263,7 @@ FEW_ROWS = 4
 
 
 def _ring_overflow(needed: int, width: int) -> OverflowError:
-    """The error both slot-taking mechanisms raise for a request needing ``needed`` blocks."""
+    """The error for a request needing ``needed`` unbound blocks."""
     return OverflowError(
         f"a request needs {needed} unbound hash blocks, more than the slot ring holds ({width})"
     )

@@ -129,3 +129,30 @@ class WorkerSizing:
         """Most hash blocks one step's rows can touch: its tokens plus each request's
         partial first block."""
         return -(-self.max_num_batched_tokens // self.hash_block_size) + self.max_num_seqs
+
+
+# Most draft tokens a step's device positions may sit below the scheduler's start: a request
+# reattaches at its cursor after the previous step rejected that many (the device ring keeps
+# room for them).
+REATTACH_TOKENS = 256
+
+
+def ring_widths(max_num_batched_tokens: int, block_size: int, depth: int) -> tuple[int, int]:
+    """``(W, D)``: the host ring's width (most unbound blocks one request can hold) and the
+    device ring's (most blocks one launch of a request can span, with its reattach), in
+    hash blocks.
+
+    A request's unbound blocks span the steps in flight plus the one being prepared, each up
+    to a full step of blocks, and the blocks waiting for their keys.
+    """
+    step_blocks = -(-max_num_batched_tokens // block_size) + 1
+    reattach = -(-REATTACH_TOKENS // block_size)
+    width = (depth + 1) * step_blocks + 1
+    return width, min(width, step_blocks + 1 + reattach)
+
+
+def queue_stock(sizing: WorkerSizing) -> int:
+    """Free slots the device queue keeps for the launches in flight: each launch opens at most
+    ``blocks_per_step`` blocks, and ``max_concurrent_batches`` launches can be in flight
+    before the output thread refills."""
+    return sizing.max_concurrent_batches * sizing.blocks_per_step

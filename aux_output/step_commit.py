@@ -86,8 +86,7 @@ class CommitPlan:
     completing: np.ndarray | None
 
 
-# Steps of at most this many requests are committed by the per-request loop, and
-# ``SlotPlanner`` tests which of them need new slots with one too.
+# Steps of at most this many requests are committed by the per-request loop.
 PER_REQUEST_MAX = 32
 
 
@@ -103,8 +102,8 @@ def commit_step(
 
     ``num_sampled``/``num_rejected``: the host counts, 1-D integer arrays of ``>= R``
     entries (``process_output`` checked them with ``check_host_counts``); ``step_info``:
-    the kernel's ``int32 [R, 3]`` (start, rows written or -1, status) or None for an empty
-    step. Raises ``AuxOutputProtocolError`` without changing ``table``.
+    the kernel's ``int32 [R, 4]`` (start, rows written or -1, status, slots taken) or None
+    for an empty step. Raises ``AuxOutputProtocolError`` without changing ``table``.
     """
     if len(layout.rows) <= PER_REQUEST_MAX:
         plan = _commit_per_request(layout, table, num_sampled, num_rejected, step_info, block_size)
@@ -153,7 +152,7 @@ def _commit_per_request(
         ):
             return None
         if placed is not None:
-            kernel_start, written, status = placed[i]
+            kernel_start, written, status, _ = placed[i]
             if status != 0 or written < accepted or kernel_start != capture:
                 return None
             rows_written += written
@@ -209,7 +208,7 @@ def _commit_vectorized(
     rows_written = 0
     if step_info is not None:
         # The kernel placed every accepted row where the host expects it.
-        start, written, status = step_info.T
+        start, written, status = step_info[:, :3].T
         bad |= status != 0
         bad |= written < accepted
         bad |= start != capture_starts
@@ -259,7 +258,7 @@ def _raise_first_error(
         message = next(text for mask, text in zip(checks, _CHECKS) if mask[first])
         raise AuxOutputProtocolError(f"{message}: request={layout.request_ids[first]}")
     i = int(np.argmax(bad))
-    start, written, status = (int(x) for x in step_info[i])
+    start, written, status = (int(x) for x in step_info[i, :3])
     raise AuxOutputProtocolError(
         "auxiliary output rows were not placed by the capture kernel: "
         f"request={layout.request_ids[i]}, status={status}, start={start} "

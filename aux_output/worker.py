@@ -6,10 +6,10 @@ Per step (same call order and threads as vLLM's ``AuxOutputWorkerConnector``):
    rows; the step's key work (new block hashes, the scheduler's pins, the teardown of
    finished requests with no step in flight, their store call) is recorded for the output
    thread (``RequestBook.begin``, ``key_work.py``).
-2. ``prepare_output(input_batch)`` (main thread): the batch's device inputs are checked,
-   requests that enter a new hash block get slots (``LOOKAHEAD_TOKENS`` ahead,
-   ``slot_planner.py``), and only those ring entries change; one kernel launch writes every
-   accepted row into its slot (``RequestBook.launch`` + ``DeviceSide.launch``).
+2. ``prepare_output(input_batch)`` (main thread): the batch's device inputs are checked and
+   one kernel launch writes every accepted row into its slot, taking the slots of new
+   blocks itself from the free-slot queue (``RequestBook.launch`` + ``DeviceSide.launch``);
+   no per-request work and no upload.
 3. ``PendingStep.enqueue_cpu_copy`` (copy stream): the host counts are recorded and the
    kernel's per-request results (and, in the staging destination, the step's rows) are
    copied back; nothing else, as it runs on the main thread too.
@@ -188,8 +188,9 @@ class TritonAuxOutputWorker:
         """Place this step's accepted rows into store slots with one kernel launch.
 
         ``input_batch`` provides ``req_ids``, ``query_start_loc_np`` (``[>= R+1]``),
-        ``num_computed_tokens_np`` (``[>= R]``) and, on the device, ``query_start_loc`` and
-        ``positions`` (1-D token positions, ``[>= num_rows]``), as Model Runner V2's
+        ``num_computed_tokens_np`` (``[>= R]``) and, on the device, ``query_start_loc``,
+        ``positions`` (1-D token positions, ``[>= num_rows]``) and ``idx_mapping`` (each
+        request's persistent index, ``[>= R]``, below ``max_num_seqs``), as Model Runner V2's
         ``InputBatch`` does; ``num_rejected`` (device ``[R]``) lets the kernel skip rejected
         rows so they never reach the host.
         """
@@ -228,7 +229,7 @@ class TritonAuxOutputWorker:
             finally:
                 self._pending.remove(pending)
                 # As in vLLM: a step that failed still leaves flight; teardown waits.
-                self._book.settle(pending.layout, teardown=committed)
+                self._book.settle(pending.layout, pending.launched, teardown=committed)
             return outputs
 
     def close(self) -> None:

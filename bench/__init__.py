@@ -14,5 +14,4 @@ BENCHMARKS: dict[str, str] = {
     "gpu_parts": "bench.gpu_parts",
     "device_memory": "bench.device_memory",
     "triton_launch": "bench.triton_launch",
-    "upload_bytes": "bench.upload_bytes",
 }

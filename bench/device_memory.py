@@ -5,11 +5,14 @@
 Both connectors share vLLM's int32 capture buffer ``[max_num_batched_tokens, L, K]``; what
 each adds on the device:
 
-* r3capture: the buffers ``DeviceSide`` allocates (the slot ring with its block windows and
-  the upload buffer; direct writes keep ``step_info`` in pinned host memory), read from a
-  worker built on the CPU with the sizing ``vllm serve`` would give it
-  (``DeviceSide.device_bytes``; the same tensors a GPU worker allocates, for any model: none
-  depends on ``L``, ``K`` or the dtype);
+* r3capture: the buffers ``DeviceSide`` keeps on the device for the kernel that takes its
+  slots itself: per request index a ring of slots ``[max_num_seqs, D]`` int64 and two
+  records ``[max_num_seqs, 2]`` int64, and the queue's two heads ``[2]`` int64 (direct
+  writes keep ``step_info`` in pinned host memory, and the free-slot queue is pinned host
+  memory too, int32 ``[queue_stock + blocks_per_step]``: reported apart, as
+  ``r3capture_queue_host_bytes``), read from a worker built on the CPU with the sizing
+  ``vllm serve`` would give it (``DeviceSide.device_bytes``; the same tensors a GPU worker
+  allocates, for any model: none depends on ``L``, ``K`` or the dtype);
 * vLLM 0.33.0: the per-step snapshot its connector casts from the capture buffer,
   ``[num_tokens, L, K]`` in the row dtype, up to ``max_num_batched_tokens`` rows, one per
   step in flight until its copy to the host is done.
@@ -38,6 +41,12 @@ MIB = 2**20
 
 def r3capture_device_bytes(model: ModelShape, max_num_seqs: int) -> int:
     """``DeviceSide.device_bytes`` of a worker sized as ``vllm serve`` sizes it."""
+    return r3capture_bytes(model, max_num_seqs)[0]
+
+
+def r3capture_bytes(model: ModelShape, max_num_seqs: int) -> tuple[int, int]:
+    """``(device bytes, pinned host bytes of the free-slot queue)`` of a worker sized as
+    ``vllm serve`` sizes it."""
     sizing = WorkerSizing(
         shape_per_token=(model.num_layers, model.top_k),
         dtype=row_dtype(model.num_experts),
@@ -54,7 +63,8 @@ def r3capture_device_bytes(model: ModelShape, max_num_seqs: int) -> int:
         output_pool_bytes=0,
     )
     try:
-        return worker.device_side.device_bytes
+        side = worker.device_side
+        return side.device_bytes, side.queue_np.nbytes
     finally:
         worker.close()
 
@@ -68,12 +78,13 @@ def measure(seqs: list[int]) -> list[dict]:
     rows = []
     for max_num_seqs in seqs:
         for model in MODELS:
-            ours = r3capture_device_bytes(model, max_num_seqs)
+            ours, queue = r3capture_bytes(model, max_num_seqs)
             snapshot = vllm_snapshot_bytes(model)
             rows.append({
                 "model": model.name,
                 "max_num_seqs": max_num_seqs,
                 "r3capture_bytes": ours,
+                "r3capture_queue_host_bytes": queue,
                 "vllm_snapshot_bytes": snapshot,
                 "vllm_in_flight_bytes": DEPTH * snapshot,
             })  # fmt: skip
@@ -121,7 +132,8 @@ def main(argv: list[str]) -> int:
     for row in rows:
         print(
             f"max_num_seqs {row['max_num_seqs']:5d} {row['model']:14s} r3capture "
-            f"{row['r3capture_bytes'] / MIB:6.2f} MiB  vLLM snapshot "
+            f"{row['r3capture_bytes'] / MIB:6.2f} MiB (queue, pinned host "
+            f"{row['r3capture_queue_host_bytes'] / MIB:5.2f})  vLLM snapshot "
             f"{row['vllm_snapshot_bytes'] / MIB:6.2f} MiB ({DEPTH} in flight "
             f"{row['vllm_in_flight_bytes'] / MIB:6.2f})"
         )

@@ -4,10 +4,11 @@ Two measurements, thread CPU of the calling thread:
 
 * ``parts``: the worker (direct destination, real Triton launch) in ``bench/gpu_host_step``'s
   harness (the simulator, async depth 2), with its parts timed inside ``prepare_output`` and
-  ``enqueue_cpu_copy``: the batch layout, the launcher's per-step checks, slot planning,
-  re-attaching launches, the upload (host packing, then its device operations) and the
-  launch. Each step's sum per part; p50 and total over the forward steps. The timers add
-  about a µs per part; the calls' own times are ``bench/gpu_host_step``'s.
+  ``enqueue_cpu_copy``: the batch layout, the launcher's per-step checks, the free-slot
+  queue's reserve, the fresh-request flags, re-attaching launches, the launch (the kernel
+  takes its slots itself: no slot planning and no upload) and the copies back. Each step's
+  sum per part; p50 and total over the forward steps. The timers add about a µs per part;
+  the calls' own times are ``bench/gpu_host_step``'s.
 * ``ops``: each torch or CUDA operation the two paths issue per step, alone, on buffers of a
   step's size: p50 of 2,000 calls (the device drained every 50, outside the timing); on a
   GPU also its wall time behind ~200 µs of queued GPU work (200 calls), which shows an
@@ -70,24 +71,16 @@ class PartTimes:
 
 
 def _part_targets() -> list[tuple[Any, str, str]]:
-    import importlib
-
-    import torch
-
-    from r3capture.aux_output import device_side, request_book, slot_planner
-
-    gather_pack = importlib.import_module("r3capture.kernels.gather_pack")  # not the function
+    from r3capture.aux_output import device_side, request_book, request_table, slot_queue
+    from r3capture.kernels import GatherAllocLaunch
 
     return [
         (request_book.RequestBook, "layout_of", "layout_of"),
         (request_book.RequestBook, "_checked_shape", "launcher checks"),
-        (slot_planner.SlotPlanner, "take_slots", "take_slots"),
+        (slot_queue.SlotQueue, "reserve", "queue reserve"),
+        (request_table.RequestTable, "take_fresh", "fresh flags"),
         (request_book.RequestBook, "_attach", "attach"),
-        (device_side.DeviceSide, "_upload", "upload (host + device)"),
-        (device_side, "device_upload", "upload: device copy + scatter"),
-        (torch.Tensor, "copy_", "Tensor.copy_ (every call)"),
-        (torch.Tensor, "index_put_", "Tensor.index_put_ (every call)"),
-        (gather_pack.GatherPackLaunch, "launch_checked", "launch"),
+        (GatherAllocLaunch, "launch_checked", "launch"),
         (device_side.DeviceSide, "copy_back", "copy_back"),
     ] + _launcher_target()
 
@@ -173,37 +166,20 @@ def measure_ops(device: str) -> dict[str, float]:
     dev = torch.device(device)
     capture = torch.zeros((8192, 48, 8), dtype=torch.int32, device=dev)
     snapshot = capture[:256].to(torch.uint8)
-    upload_host = torch.zeros(4096, dtype=torch.int32, pin_memory=on_cuda)
-    upload_dev = torch.zeros(4096, dtype=torch.int32, device=dev)
-    ring = torch.zeros(1025 * 548, dtype=torch.int32, device=dev)
-    index32 = torch.arange(0, 64 * 97, 97, dtype=torch.int32, device=dev)
-    index64 = index32.long()
-    values = torch.ones(64, dtype=torch.int32, device=dev)
-    wide32 = torch.arange(0, 1024 * 97, 97, dtype=torch.int32, device=dev)
-    wide64 = wide32.long()
-    wide_values = torch.ones(1024, dtype=torch.int32, device=dev)
-    upload_host_64k = torch.zeros(16384, dtype=torch.int32, pin_memory=on_cuda)
-    upload_dev_64k = torch.zeros(16384, dtype=torch.int32, device=dev)
-    info_dev = torch.zeros((1024, 3), dtype=torch.int32, device=dev)
-    info_host = torch.zeros((1024, 3), dtype=torch.int32, pin_memory=on_cuda)
+    info_dev = torch.zeros((1024, 4), dtype=torch.int32, device=dev)
+    info_host = torch.zeros((1024, 4), dtype=torch.int32, pin_memory=on_cuda)
+    fresh = torch.zeros(1024, dtype=torch.uint8, pin_memory=on_cuda)
     ops: dict[str, Callable[[], Any]] = {
         "vLLM cast: capture[:256].to(uint8)": lambda: capture[:256].to(torch.uint8),
         "vLLM copy: snapshot.to('cpu', non_blocking)": lambda: snapshot.to(
             "cpu", non_blocking=True
         ),
-        "upload: pinned 4 KiB H2D copy_": lambda: upload_dev.copy_(upload_host, non_blocking=True),
-        "scatter: index_put_ (int32 index, 64)": lambda: ring.index_put_((index32,), values),
-        "scatter: index_copy_ (int32 index, 64)": lambda: ring.index_copy_(0, index32, values),
-        "scatter: scatter_ (int64 index, 64)": lambda: ring.scatter_(0, index64, values),
-        "scatter: index_put_ (int32 index, 1024)": lambda: ring.index_put_((wide32,), wide_values),
-        "scatter: scatter_ (int64 index, 1024)": lambda: ring.scatter_(0, wide64, wide_values),
-        "upload: pinned 64 KiB H2D copy_": lambda: upload_dev_64k.copy_(
-            upload_host_64k, non_blocking=True
-        ),
-        "step_info D2H copy_ (1024 x 3 int32)": lambda: info_host.copy_(
+        # staging only: copy_back's step_info copy (direct: the kernel writes it there).
+        "step_info D2H copy_ (1024 x 4 int32)": lambda: info_host.copy_(
             info_dev, non_blocking=True
         ),
-        "slice a device tensor": lambda: upload_dev[:1024],
+        # A step with requests new to their index passes the first R of its fresh flags.
+        "slice the pinned fresh flags": lambda: fresh[:256],
     }
     if on_cuda:
 
@@ -217,7 +193,7 @@ def measure_ops(device: str) -> dict[str, float]:
         try:
             ops.update(_launch_ops(capture))
         except Exception as exc:  # noqa: BLE001 - the other operations still get timed
-            ops["gather_pack decode-256 launches"] = functools.partial(_raise, exc)
+            ops["gather_alloc decode-256 launches"] = functools.partial(_raise, exc)
     costs: dict[str, Any] = {}
     for name, fn in ops.items():
         try:
@@ -242,71 +218,42 @@ def _raise(exc: Exception) -> None:
 
 
 def _launch_ops(capture: Any) -> dict[str, Callable[[], Any]]:
-    """One decode-256 launch of ``gather_pack`` (direct: pinned arena and step_info):
-    ``GatherPackLaunch.launch_checked`` whole, and its launch form alone beside two earlier
-    ones: every tensor argument as a tensor, inside ``torch.cuda.device``, through Triton's
-    runner (7002e01); the step-independent tensors as addresses, through Triton's runner,
-    which builds launch metadata and has its C launcher call both hook chains on every
-    launch (3a77ad1). Same compiled variant, same arguments."""
+    """One decode-256 step of ``gather_alloc`` (direct: pinned arena, queue and step_info;
+    the ring, records and heads on the device, as ``DeviceSide`` keeps them):
+    ``GatherAllocLaunch.check_step`` (the launcher's per-step checks) and
+    ``GatherAllocLaunch.launch_checked``, each alone, on arguments built once."""
     import torch
 
-    from r3capture.kernels import GatherPackLaunch
-    from r3capture.kernels.gather_pack import _gather_pack_kernel, _launch_variant
+    from r3capture.aux_output.sizing import ring_widths
+    from r3capture.kernels import GatherAllocLaunch
 
-    reqs, width, block = 256, 548, 16
+    reqs, block = 256, 16
     dev = capture.device
-    table_row = torch.arange(reqs, dtype=torch.int32, device=dev)
-    ring = torch.zeros((reqs + 1, width), dtype=torch.int32, device=dev)
-    # hi < lo: no request may write, so the launches leave the arena as it is.
-    window = torch.tensor([[0, -1]], dtype=torch.int32, device=dev).repeat(reqs + 1, 1)
+    _, depth_width = ring_widths(capture.shape[0], block, 2)
+    ring = torch.full((reqs, depth_width), -1, dtype=torch.int64, device=dev)
+    records = torch.zeros((reqs, 2), dtype=torch.int64, device=dev)
+    heads = torch.zeros(2, dtype=torch.int64, device=dev)
+    queue = torch.arange(4096, dtype=torch.int32).pin_memory()
     arena = torch.zeros((2 * reqs, block, *capture.shape[1:]), dtype=torch.uint8, pin_memory=True)
-    info = torch.zeros((reqs, 3), dtype=torch.int32, pin_memory=True)
-    launch = GatherPackLaunch(capture, table_row, ring, window, arena, info)
+    info = torch.zeros((reqs, 4), dtype=torch.int32, pin_memory=True)
+    launch = GatherAllocLaunch(capture, ring, records, queue, heads, arena, info)
     qsl = torch.arange(reqs + 1, dtype=torch.int32, device=dev)
     positions = torch.full((reqs,), 100, dtype=torch.int32, device=dev)
-    shape = launch.check_step(qsl, positions, num_rows=reqs)
-    launch.launch_checked(shape, qsl, positions, None)  # compiles or loads the variant
+    index = torch.arange(reqs, dtype=torch.int64, device=dev)
+
+    def check() -> Any:
+        return launch.check_step(qsl, positions, index, launch=1, queue_tail=0, num_rows=reqs)
+
+    # An empty queue (tail 0): every request fails closed (NO_STOCK), so the repeated
+    # launches leave the ring, records, heads and arena as they are.
+    shape = check()
+    launch.launch_checked(shape, qsl, positions, index, None, None)  # compiles or loads it
     torch.cuda.synchronize()
-    # The previous launch, rebuilt from the launcher's own tables (bench-only access).
-    (variant,) = launch._variants.values()
-    names = _gather_pack_kernel.arg_names
-    tensors = [launch._kernel_args.get(name) for name in names]
-    step_args = (
-        qsl, positions, table_row, shape.num_reqs, shape.row_limit,
-        (shape.num_reqs - 1).bit_length(), False,
-    )  # fmt: skip
-    for slot, value in zip(launch._step_slots, step_args):
-        tensors[slot] = value
-    tiles = launch._tiles
-    grid = (
-        max(-(-shape.row_limit // tiles["BLOCK_ROWS"]), -(-shape.num_reqs // tiles["BLOCK_REQS"])),
-        1,
-        1,
-    )
-
-    addresses = launch._positional.copy()
-    for slot, value in zip(launch._step_slots, step_args):
-        addresses[slot] = value
-
-    def before() -> None:
-        with torch.cuda.device(dev):
-            variant[grid](*tensors)
-
-    stream = torch.cuda.current_stream(dev).cuda_stream  # looked up once: not what is timed
-
-    def through_runner() -> None:
-        variant[grid](*addresses, stream=stream)
-
     return {
-        "gather_pack decode-256: launch_checked, whole": lambda: launch.launch_checked(
-            shape, qsl, positions, None
+        "gather_alloc decode-256: check_step": check,
+        "gather_alloc decode-256: launch_checked": lambda: launch.launch_checked(
+            shape, qsl, positions, index, None, None
         ),
-        # The three launch forms alone, on arguments built once (no per-step bookkeeping).
-        "gather_pack decode-256: launcher called directly (d98628c)": lambda: _launch_variant(
-            variant, grid[0], stream, addresses
-        ),
-        "gather_pack decode-256: tensors + device context (7002e01)": before,
-        "gather_pack decode-256: addresses through Triton's runner (3a77ad1)": through_runner,
     }
 
 

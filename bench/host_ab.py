@@ -15,6 +15,13 @@ the lazy imports of the simulator and the stand-ins resolve to that version. The
 simulator code is the working tree's for both. Both versions must give the recording's
 outputs (digests) on every replay, or the run stops.
 
+Both versions' GPU work is replaced by the working tree's stand-in (``bench/stand_ins.py``):
+one kernel launch per step, ``GatherAllocLaunch``'s, whose torch reference is excluded. A
+base from before the kernel took its slots itself (its worker launches ``gather_pack``
+after planning slots and uploading them) has device work that stand-in does not cover: no
+A/B against it is fair, and the run stops when a version's replay made no stand-in launch
+(or, before ``kernels/alloc_reference.py`` existed, when the stand-in finds no kernel).
+
     python -m bench.run host_ab --base REV [--families A,B] [--model M] [--depth D]
         [--rounds N] [--out-dir DIR]
 
@@ -90,8 +97,10 @@ def load_package(root: Path) -> dict[str, ModuleType]:
 def installed_package() -> dict[str, ModuleType]:
     """The ``sys.modules`` entries of the ``r3capture`` imported now, with what a replay
     imports lazily (the worker, and the kernel's CPU emulation) imported first."""
+    from bench.stand_ins import kernel_binding
+
     importlib.import_module(f"{PACKAGE}.aux_output.worker")
-    importlib.import_module(f"{PACKAGE}.kernels.reference")
+    kernel_binding()  # imports it
     return {name: sys.modules[name] for name in _package_names()}
 
 
@@ -153,6 +162,13 @@ def replay_metrics(version: Version, recording: Any, metadata_types: Any) -> np.
         raise RuntimeError(
             f"{version.label} did not reproduce {recording.name}'s outputs: "
             f"{times.error or 'digests differ'}"
+        )
+    forward_steps = sum(1 for event in recording.events if event[0] == "prepare_output")
+    if forward_steps and not times.launches:
+        raise RuntimeError(
+            f"{version.label}: no stand-in launch in {forward_steps} forward steps of "
+            f"{recording.name}: its kernel is not the one bench/stand_ins.py stands in for "
+            "(a revision from before the kernel took its slots itself?)"
         )
     cpu = times.calls[:, :, 1] / 1e3
     main = cpu[0] + cpu[1] + cpu[2]

@@ -28,7 +28,7 @@ Method (details in ``bench/host_step_replay.py`` and ``bench/stand_ins.py``):
     python -m bench.run host_step [--quick] [--repeats N] [--families A,B] [--models A,B]
         [--max-num-seqs N]
 
-A what-if run, ``--free slot-planning`` (or ``input-checks``; ``bench/stand_ins.ABLATIONS``),
+A what-if run, ``--free input-checks`` (``bench/stand_ins.ABLATIONS``),
 times r3capture as if those parts of its host work cost nothing; it is written as
 ``host_step_free_<parts>.json`` so the measured run stays apart. ``--max-num-seqs 1024``
 (vLLM's serve default on H100/H200-class GPUs) replaces every family's own, which sizes

@@ -13,12 +13,12 @@ same calls and measures each one:
   time since the previous read (``pthread_getcpuclockid``) is added to that call's step.
   A call that itself waits for the writer (vLLM's prefix-hit read joins the queue) has
   that wait excluded: the writer's CPU time already counts that work.
-* Inputs are built before the loop (metadata objects of vLLM's own classes, input batches,
-  numpy arrays, the device ``num_rejected`` tensor); rows go into the capture buffer and
-  vLLM's snapshot cast is made outside the timed calls; r3capture's kernel (its torch
-  reference on a CPU) and the device half of its slot-ring uploads are excluded from the
-  call that launches them. Both sides pay one launch stand-in per launch instead
-  (``bench/stand_ins.py``).
+* Inputs are built before the loop (metadata objects of vLLM's own classes, input batches
+  with their recorded request indices, ``idx_mapping`` and ``idx_mapping_np``, numpy
+  arrays, the device ``num_rejected`` tensor); rows go into the capture buffer and vLLM's
+  snapshot cast is made outside the timed calls; r3capture's kernel (its torch reference on
+  a CPU, which also takes the step's new slots) is excluded from the call that launches
+  it. Both sides pay one launch stand-in per launch instead (``bench/stand_ins.py``).
 * The garbage collector is off during a replay; young objects are collected after every
   call, outside the timed calls.
 * Every ``process_output``'s outputs are digested (``sim.recording.digest_outputs``); the
@@ -56,7 +56,7 @@ from typing import Any
 import numpy as np
 
 # Bump when the simulator or the recording format changes what a recording holds.
-RECORDING_VERSION = "rec1"
+RECORDING_VERSION = "rec2"  # rec2: batches carry idx_mapping
 CONNECTORS = ("vllm-0.33.0", "r3capture")
 CALLS = ("begin_step", "prepare_output", "enqueue_cpu_copy", "process_output")
 KINDS = ("empty", "finish-only", "decode", "spec-decode", "prefill-chunk", "prefix-hit", "mixed")
@@ -348,6 +348,9 @@ def _build_inputs(recording: Any, metadata_types: tuple[type, type]) -> _StepInp
         elif kind == PREPARE:
             call = event[2]
             qsl = call.query_start_loc.copy()
+            # As the simulator hands them out (sim/request_indices.py): intp on the host,
+            # an int64 tensor on the device.
+            indices = call.idx_mapping.astype(np.intp)
             inputs.batches[step] = SimpleNamespace(
                 req_ids=list(call.req_ids),
                 num_reqs=len(call.req_ids),
@@ -355,6 +358,8 @@ def _build_inputs(recording: Any, metadata_types: tuple[type, type]) -> _StepInp
                 num_computed_tokens_np=call.num_computed.copy(),
                 query_start_loc=torch.from_numpy(qsl.copy()),
                 positions=torch.from_numpy(call.positions.copy()),
+                idx_mapping_np=indices,
+                idx_mapping=torch.from_numpy(call.idx_mapping.astype(np.int64)),
             )
             inputs.rejected[step] = torch.from_numpy(call.num_rejected.copy())
         elif kind == ENQUEUE:

@@ -79,7 +79,7 @@ from bench.common import (  # noqa: E402
     write_results,
 )
 from bench.stand_ins import launch_stand_in  # noqa: E402
-from r3capture.aux_output.slot_planner import ring_widths  # noqa: E402
+from r3capture.aux_output.sizing import ring_widths  # noqa: E402
 from r3capture.kernels import (  # noqa: E402
     GatherPackLaunch,
     can_write_host_directly,
@@ -115,7 +115,7 @@ CPU_SIZES = Sizes(256, 16, (1, 16), 4, 16, 2_000)
 
 
 def ring_width(max_tokens: int, block: int, depth: int = DEPTH) -> int:
-    """The device ring's width D, as the worker sizes it (``slot_planner.ring_widths``)."""
+    """The device ring's width D, as the worker sizes it (``sizing.ring_widths``)."""
     return ring_widths(max_tokens, block, depth)[1]
 
 

@@ -2,7 +2,7 @@
 
 On a GPU, each connector's GPU work costs its host thread one kernel launch: vLLM's
 ``RoutedExpertsCapturer.snapshot_routing_data`` launches one cast of every scheduled row,
-r3capture's worker launches one ``gather_pack`` kernel. On a CPU-only machine that work would
+r3capture's worker launches one ``gather_alloc`` kernel. On a CPU-only machine that work would
 run on the host instead (vLLM's cast as a torch CPU cast, r3capture's kernel as its torch
 reference), and its time says nothing about a GPU host. So neither side's emulation counts:
 
@@ -14,16 +14,15 @@ reference), and its time says nothing about a GPU host. So neither side's emulat
   no-op that would cost vLLM nothing, so ``DeviceSnapshot.to`` runs one
   ``launch_stand_in()`` too (r3capture's copies back run as real, tiny CPU copies).
 * r3capture: ``KernelStandIn`` wraps the kernel's CPU emulation, the torch reference that
-  ``GatherPackLaunch`` runs in place of the Triton launch (``kernel_binding()``). The
-  reference still runs (the outputs need its writes), but its wall and thread-CPU time are
-  added to ``excluded_*``, which the harness subtracts from the enclosing call, and
-  ``launch_stand_in()`` runs once per launch, inside the enclosing call's time. Everything
-  the launch does on the host before the kernel (the per-step argument checks) counts.
-  The same goes for the device half of a slot-ring upload (``UPLOAD_BINDING``: the
-  host-to-device copy and the scatter into the device ring, two launches on a GPU, CPU
-  tensor operations here): excluded, one stand-in per copy and per scatter. The host
-  half (packing the changed entries into the pinned buffer) counts. r3capture's copies
-  back (``enqueue_cpu_copy``) run as real, tiny CPU copies and count.
+  ``GatherAllocLaunch.launch_checked`` runs in place of the Triton launch
+  (``kernel_binding()``). The reference still runs (the outputs need its writes: the rows,
+  ``step_info``, and the slots it takes from the free-slot queue into the device ring), but
+  its wall and thread-CPU time are added to ``excluded_*``, which the harness subtracts
+  from the enclosing call, and ``launch_stand_in()`` runs once per launch, inside the
+  enclosing call's time. Everything the launch does on the host before the kernel (the
+  per-step argument checks) counts. There is no other device work per step: the kernel
+  takes its slots itself, so nothing is uploaded. r3capture's copies back
+  (``enqueue_cpu_copy``) run as real, tiny CPU copies and count.
 
 ``launch_stand_in`` is one tiny torch op (a 64-element int32 -> uint8 copy): the fixed cost of
 entering torch's dispatcher for one operation, which is what a launch costs the host thread
@@ -67,10 +66,9 @@ def measure(calls: int = 5000) -> dict[str, float]:
     }
 
 
-# The kernel's CPU emulation, which GatherPackLaunch imports when it is called.
-KERNEL_BINDINGS = (("r3capture.kernels.reference", "gather_pack_reference_checked"),)
-# The device half of a slot-ring upload (copy, then scatter when entries changed).
-UPLOAD_BINDING = ("r3capture.aux_output.device_side", "device_upload")
+# The kernel's CPU emulation, which GatherAllocLaunch imports when it is built without
+# Triton and calls from launch_checked.
+KERNEL_BINDINGS = (("r3capture.kernels.alloc_reference", "gather_alloc_reference_checked"),)
 
 
 def kernel_binding() -> tuple[ModuleType, str]:
@@ -89,35 +87,27 @@ def kernel_binding() -> tuple[ModuleType, str]:
 
 
 class KernelStandIn:
-    """Context manager: r3capture's device work (the kernel, and each slot-ring upload's copy
-    and scatter) runs with its time excluded, plus one stand-in launch per device operation.
+    """Context manager: r3capture's device work, its one kernel launch per step, runs with
+    its time excluded, plus one stand-in launch per kernel launch.
 
     ``excluded_wall_ns`` / ``excluded_cpu_ns`` accumulate the wrapped calls' time;
-    ``launches`` counts kernel launches, ``upload_ops`` the uploads' copies and scatters.
+    ``launches`` counts kernel launches.
     """
 
     def __init__(self) -> None:
         self.excluded_wall_ns = 0
         self.excluded_cpu_ns = 0
         self.launches = 0
-        self.upload_ops = 0
         self._bindings: list[tuple[ModuleType, str, Any]] = []
 
     def __enter__(self) -> KernelStandIn:
         module, attr = kernel_binding()
         self._wrap(module, attr, self._count_launch)
-        module = importlib.import_module(UPLOAD_BINDING[0])
-        self._wrap(module, UPLOAD_BINDING[1], self._count_upload)
         return self
 
     def _count_launch(self, *args: Any, **kwargs: Any) -> int:
         self.launches += 1
         return 1
-
-    def _count_upload(self, dst: Any, src: Any, ring: Any, index: Any, values: Any) -> int:
-        ops = 1 if index is None else 2
-        self.upload_ops += ops
-        return ops
 
     def _wrap(self, module: ModuleType, attr: str, count: Any) -> None:
         original = getattr(module, attr)
@@ -146,12 +136,6 @@ class KernelStandIn:
 # Ablations: parts of r3capture's host work that a what-if run counts as free, each as
 # (module, attribute path) of the callables the worker calls by that name.
 ABLATIONS = {
-    # Slot taking before the launch and the host half of the slot-ring upload: what moving
-    # slot allocation onto the device could at most take off the main thread.
-    "slot-planning": (
-        ("r3capture.aux_output.slot_planner", "SlotPlanner.take_slots"),
-        ("r3capture.aux_output.device_side", "DeviceSide._upload"),
-    ),
     # The argument checks of the three main-thread calls.
     "input-checks": (
         ("r3capture.aux_output.worker", "checked_emit_starts"),
@@ -254,7 +238,6 @@ class SnapshotStandIn:
 __all__ = [
     "ABLATIONS",
     "KERNEL_BINDINGS",
-    "UPLOAD_BINDING",
     "DeviceSnapshot",
     "FreeParts",
     "KernelStandIn",

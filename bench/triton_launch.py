@@ -38,7 +38,7 @@ from bench.common import RESULTS_DIR, make_result, run_interleaved, write_result
 from bench.models import MODELS
 from bench.no_gpu_driver import no_gpu_driver
 from bench.stand_ins import launch_stand_in
-from r3capture.aux_output.slot_planner import ring_widths
+from r3capture.aux_output.sizing import ring_widths
 
 MAX_NUM_BATCHED_TOKENS = 8192
 MAX_NUM_SEQS = 1024

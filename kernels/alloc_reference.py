@@ -200,6 +200,8 @@ def _write_rows(args: dict, static: AllocStatic, plan: dict, slots: dict[int, in
     if static.rows_layout:
         view[q0 : q0 + accepted] = rows
         return
-    for i in range(accepted):
-        position = start + i
-        view[slots[position // B], position % B] = rows[i]
+    positions = torch.arange(start, start + accepted)
+    first = start // B
+    block_slots = torch.tensor([slots[b] for b in range(first, (start + accepted - 1) // B + 1)])
+    index = (block_slots[positions // B - first].to(dest.device), (positions % B).to(dest.device))
+    view[index] = rows

@@ -57,7 +57,15 @@ from r3capture.kernels._common import (
     STATUS_NO_STOCK,
     STATUS_OK,
 )
-from r3capture.kernels.gather_pack import _NUM_WARPS, _interpreting, _qsl_is_sane, _tile_config
+from r3capture.kernels._device import kernel_address
+from r3capture.kernels.gather_pack import (
+    _NUM_WARPS,
+    _interpreting,
+    _launch_variant,
+    _qsl_is_sane,
+    _tile_config,
+    direct_launch_supported,
+)
 
 _OK = tl.constexpr(STATUS_OK)
 _BAD_REJECTED = tl.constexpr(STATUS_BAD_REJECTED)
@@ -407,6 +415,15 @@ def _gather_alloc_kernel(
         tl.store(p_dst, b_rows.to(dest_ptr.dtype.element_ty), mask=m_tile)
 
 
+# The kernel arguments that change from launch to launch, in the order launch_checked
+# passes them.
+_STEP_ARGS = (
+    "qsl_ptr", "pos_ptr", "idx_ptr", "rejected_ptr", "fresh_ptr", "num_reqs", "row_limit",
+    "num_steps", "launch", "queue_tail", "HAS_REJECTED", "HAS_FRESH",
+)  # fmt: skip
+_INT32_MAX = 2**31 - 1
+
+
 class GatherAllocLaunch:
     """``gather_alloc`` with its step-independent arguments validated once (see the module
     docstring for the state): ``capture [T, L, K]``, ``ring [N, D]`` and ``records [N, 2]``
@@ -466,6 +483,28 @@ class GatherAllocLaunch:
             CHUNK=min(_PLAN_CHUNK, tiles["SCAN_ROWS"]),
             num_warps=_NUM_WARPS,
         )  # fmt: skip
+        # The variant Triton's JIT picked for each per-step type combination, launched
+        # directly after its first launch (``gather_pack.GatherPackLaunch`` does the same and
+        # says why); none under the interpreter or on a Triton the direct launch is not
+        # tested on.
+        self._variants: dict[tuple, object] | None = None
+        if self._use_triton and not _interpreting():
+            self._device_index = capture.device.index
+            active = triton.runtime.driver.active
+            self._current_device = active.get_current_device
+            self._current_stream = active.get_current_stream
+            if direct_launch_supported():
+                self._variants = {}
+                names = _gather_alloc_kernel.arg_names
+                addresses = {
+                    name: kernel_address(value)
+                    for name, value in self._kernel_args.items()
+                    if isinstance(value, torch.Tensor)
+                }
+                self._positional = [
+                    addresses.get(name, self._kernel_args.get(name)) for name in names
+                ]
+                self._step_slots = tuple(names.index(name) for name in _STEP_ARGS)
 
     def check_step(
         self,
@@ -535,21 +574,52 @@ class GatherAllocLaunch:
         )
         # Pointers that a constexpr flag keeps unread: any valid one keeps the signature.
         unused = self._args["heads"]
-        _gather_alloc_kernel[grid](
-            **self._kernel_args,
-            qsl_ptr=query_start_loc,
-            pos_ptr=positions,
-            idx_ptr=request_index,
-            rejected_ptr=num_rejected if num_rejected is not None else unused,
-            fresh_ptr=fresh if fresh is not None else unused,
-            num_reqs=shape.num_reqs,
-            row_limit=shape.row_limit,
-            num_steps=(shape.num_reqs - 1).bit_length(),
-            launch=shape.launch,
-            queue_tail=shape.queue_tail,
-            HAS_REJECTED=num_rejected is not None,
-            HAS_FRESH=fresh is not None,
+        step_args = (
+            query_start_loc,
+            positions,
+            request_index,
+            num_rejected if num_rejected is not None else unused,
+            fresh if fresh is not None else unused,
+            shape.num_reqs,
+            shape.row_limit,
+            (shape.num_reqs - 1).bit_length(),
+            shape.launch,
+            shape.queue_tail,
+            num_rejected is not None,
+            fresh is not None,
         )
+        capture = self._args["capture"]
+        if capture.is_cuda and self._current_device() != self._device_index:
+            with torch.cuda.device(capture.device):
+                self._launch_triton(grid, step_args)
+        else:
+            self._launch_triton(grid, step_args)
+
+    def _launch_triton(self, grid: tuple[int], step_args: tuple) -> None:
+        """Launch with ``step_args`` (``_STEP_ARGS``' values): through Triton's JIT the first
+        time for each per-step type combination, then that variant directly."""
+        variants = self._variants
+        key = None
+        if variants is not None:
+            key = (
+                *(t.dtype for t in step_args[:5]),
+                *step_args[-2:],
+                # Triton types an int argument as i64 past int32: another variant.
+                step_args[8] > _INT32_MAX,
+                step_args[9] > _INT32_MAX,
+            )
+            variant = variants.get(key)
+            if variant is not None:
+                args = self._positional.copy()
+                for slot, value in zip(self._step_slots, step_args):
+                    args[slot] = value
+                _launch_variant(variant, grid[0], self._current_stream(self._device_index), args)
+                return
+        compiled = _gather_alloc_kernel[grid](
+            **self._kernel_args, **dict(zip(_STEP_ARGS, step_args))
+        )
+        if key is not None:
+            variants[key] = compiled
 
 
 def gather_alloc(

@@ -22,6 +22,7 @@ from sim.copy_stream import OutputCopies
 from sim.interleaving import DrawnInterleaving
 from sim.oracle import SEED, RoutingOracle, prefix_hashes
 from sim.records import InFlight, Scheduled, SimError, SimRequest, SimResult, StepRecord
+from sim.request_indices import RequestIndices
 from sim.trace import VOCAB, Trace
 from sim.workers import WorkerHandle
 
@@ -80,11 +81,7 @@ class SimModelRunner:
             model.num_layers, model.top_k, model.num_experts, model.num_dense_layers
         )
         self.gpu: dict[str, _GpuRequest] = {}
-        # Request indices as Model Runner V2's RequestState hands them out: the last freed is
-        # the first taken, so a new request can take the index of one whose step is still in
-        # flight (the batch carries them as ``idx_mapping``).
-        self._free_indices = list(range(self.cfg.max_num_seqs))
-        self.request_index: dict[str, int] = {}
+        self.indices = RequestIndices(self.cfg.max_num_seqs)
         self._copies = OutputCopies(worker.capture_buffer.device)
         if threaded and interleave_seed is not None:
             raise ValueError("threaded and interleave_seed exclude each other")
@@ -115,11 +112,6 @@ class SimModelRunner:
         finally:
             self.stats.worker_seconds += time.perf_counter() - t0
 
-    def _free_index(self, req_id: str) -> None:
-        index = self.request_index.pop(req_id, None)
-        if index is not None:
-            self._free_indices.append(index)
-
     @staticmethod
     def _true_token(request: SimRequest, index: int) -> int:
         """The model's sample for output index ``index`` (same on every path)."""
@@ -131,15 +123,12 @@ class SimModelRunner:
     def execute(self, sched: Scheduled, requests: dict[str, SimRequest]) -> InFlight | None:
         """Run one schedule: ``begin_step``, then (with tokens) the forward's rows, the
         batch, ``prepare_output`` and ``enqueue_cpu_copy``. Returns the step in flight."""
-        for req_id in sorted(sched.freed):  # MRV2 frees in sorted order, then adds
+        for req_id in sched.freed:
             self.gpu.pop(req_id, None)
-            self._free_index(req_id)
+        self.indices.free(sched.freed)  # MRV2 frees, then adds
         for req_id, (tokens, computed) in sched.admitted.items():
             self.gpu[req_id] = _GpuRequest(tokens, computed)
-            self._free_index(req_id)  # MRV2 removes a request it is given again
-            if not self._free_indices:
-                raise RuntimeError(f"no free request index for {req_id} (max_num_seqs)")
-            self.request_index[req_id] = self._free_indices.pop()
+            self.indices.add(req_id)
         self.stats.steps += 1
         self._call(sched.index, "begin_step", self.worker.begin_step, sched.meta)
         if not sched.num_scheduled:
@@ -230,7 +219,7 @@ class SimModelRunner:
         row_nbytes = self.trace.model.row_nbytes
         self.stats.bytes_copied_vllm += num_rows * row_nbytes
         self.stats.bytes_accepted += accepted_rows * row_nbytes
-        idx_mapping = np.array([self.request_index[r] for r in req_ids], np.intp)
+        idx_mapping_np, idx_mapping = self.indices.mapping(req_ids)
         batch = SimpleNamespace(
             req_ids=req_ids,
             num_reqs=num_reqs,
@@ -238,8 +227,8 @@ class SimModelRunner:
             num_computed_tokens_np=np.array([sched.computed_before[r] for r in req_ids], np.int32),
             query_start_loc=torch.from_numpy(qsl_np.copy()),
             positions=torch.from_numpy(pos_all),
-            idx_mapping_np=idx_mapping,
-            idx_mapping=torch.from_numpy(idx_mapping.astype(np.int64)),
+            idx_mapping_np=idx_mapping_np,
+            idx_mapping=idx_mapping,
         )
         pending = self._call(
             sched.index, "prepare_output", self.worker.prepare_output, batch, num_rejected

@@ -7,7 +7,8 @@
 * the rows the engine wrote into the capture buffer for the step (int32 ``[T, L, K]``,
   kept in the model's id dtype, which holds them exactly);
 * ``prepare_output(input_batch, num_rejected)``: ``req_ids``, ``query_start_loc_np``,
-  ``num_computed_tokens_np``, the device ``positions`` and the step's rejected counts;
+  ``num_computed_tokens_np``, the request indices (``idx_mapping_np``, which the device
+  ``idx_mapping`` holds too), the device ``positions`` and the step's rejected counts;
 * ``enqueue_cpu_copy(num_sampled, num_rejected)``: the arrays' final contents (the engine
   fills them in only before ``process_output``, as vLLM's asynchronous copies do);
 * ``process_output()`` of which step.
@@ -120,6 +121,9 @@ class PrepareCall:
     num_computed: np.ndarray  # int32 [R]
     positions: np.ndarray  # int64 [num_rows]
     num_rejected: np.ndarray  # int32 [R]: the device counts rejection sampling produced
+    # int64 [R]: each request's persistent index (Model Runner V2's idx_mapping), below
+    # max_num_seqs; an index can pass to a new request while its old owner's step is in flight
+    idx_mapping: np.ndarray
     rows_offset: int
     num_rows: int
     returned: bool = True  # the worker returned a pending step (False: None)
@@ -305,6 +309,7 @@ class RecordingHandle:
             num_computed=np.array(input_batch.num_computed_tokens_np, np.int32),
             positions=input_batch.positions.numpy().astype(np.int64),
             num_rejected=np.array(num_rejected, np.int32),
+            idx_mapping=np.array(input_batch.idx_mapping_np, np.int64),
             rows_offset=offset,
             num_rows=num_rows,
         )

@@ -44,9 +44,7 @@ from sim.workers import make_vllm_worker, r3capture_worker_factory
 
 # The module of each tuning constant a seed draws; each reads its constant at call time.
 _KNOB_HOMES = {
-    "LOOKAHEAD_TOKENS": "r3capture.aux_output.slot_planner",
-    "REATTACH_TOKENS": "r3capture.aux_output.slot_planner",
-    "FEW_GROWING": "r3capture.aux_output.slot_planner",
+    "REATTACH_TOKENS": "r3capture.aux_output.sizing",
     "PER_REQUEST_MAX": "r3capture.aux_output.step_commit",
     "EMIT_PER_REQUEST_MAX": "r3capture.aux_output.row_reader",
     "FEW_ROWS": "r3capture.aux_output.request_table",
@@ -97,9 +95,7 @@ def draw_case(seed: int) -> SweepCase:
     # The factory refuses a device ring too narrow for the drafts a request may reattach by.
     min_reattach = max(depth - 1, 1) * drafts
     knobs = {
-        "LOOKAHEAD_TOKENS": r.choice([1, 2, 5, 16, 256]),
         "REATTACH_TOKENS": max(min_reattach, r.choice([0, 3, 8, 256])),
-        "FEW_GROWING": r.choice([0, 1, 4, 1000]),
         "PER_REQUEST_MAX": r.choice([0, 1, 32, 1000]),
         "EMIT_PER_REQUEST_MAX": r.choice([0, 1, 8, 1000]),
         "FEW_ROWS": r.choice([0, 1, 4, 1000]),

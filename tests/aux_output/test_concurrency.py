@@ -201,6 +201,9 @@ def test_stress_step_thread_against_output_thread(tiny_switch_interval):
                     num_computed_tokens_np=np.full(8, step, np.int32),
                     query_start_loc=torch.from_numpy(qsl.copy()),
                     positions=torch.full((8,), step, dtype=torch.int64),
+                    # The same eight requests all along: MRV2 keeps their indices.
+                    idx_mapping_np=np.arange(8),
+                    idx_mapping=torch.arange(8),
                 )
                 pending = handle.prepare_output(batch, np.zeros(8, np.int32))
                 pending.enqueue_cpu_copy(

@@ -28,6 +28,7 @@ from sim import (
     run_trace,
 )
 from sim.compare import diff_results, same_error
+from sim.request_indices import RequestIndices
 
 pytest.importorskip("vllm.distributed.aux_output_connector.worker")
 
@@ -125,8 +126,14 @@ def _meta(requests=None, hashes=None, finished=(), generation=0):
     return AuxOutputConnectorMetadata(generation, dict(requests or {}), packed, tuple(finished))
 
 
-def _batch(steps):
-    """steps: [(req_id, sched_start, num_rows, true_start)] -> an input batch."""
+def _batch(steps, indices=None):
+    """steps: [(req_id, sched_start, num_rows, true_start)] -> an input batch (request
+    indices from ``indices``, given to ids it has none for)."""
+    indices = indices or RequestIndices(SIZES.max_num_seqs)
+    for req_id, *_ in steps:
+        if req_id not in indices.of:
+            indices.add(req_id)
+    idx_mapping_np, idx_mapping = indices.mapping([s[0] for s in steps])
     qsl = np.zeros(len(steps) + 1, np.int32)
     positions = []
     for i, (_, _, n, true_start) in enumerate(steps):
@@ -139,6 +146,8 @@ def _batch(steps):
         num_computed_tokens_np=np.array([s[1] for s in steps], np.int32),
         query_start_loc=torch.from_numpy(qsl.copy()),
         positions=torch.from_numpy(np.concatenate(positions).astype(np.int64)),
+        idx_mapping_np=idx_mapping_np,
+        idx_mapping=idx_mapping,
     )
 
 
@@ -148,10 +157,12 @@ def _play(handle, script):
     pendings = []
     outputs = []
     rng = np.random.default_rng(0)
+    indices = RequestIndices(SIZES.max_num_seqs)
     for index, action in enumerate(script):
         phase = action[0]
         try:
             if phase == "begin":
+                indices.free(action[1].finished_requests)
                 handle.begin_step(action[1])
             elif phase == "prepare":
                 steps, rejected = action[1], np.asarray(action[2], np.int32)
@@ -159,7 +170,7 @@ def _play(handle, script):
                 handle.capture_buffer[:rows] = torch.from_numpy(
                     rng.integers(0, 16, (rows, 2, 2), dtype=np.int32)
                 )
-                pending = handle.prepare_output(_batch(steps), rejected)
+                pending = handle.prepare_output(_batch(steps, indices), rejected)
                 sampled = np.array([s[2] - r for s, r in zip(steps, rejected)], np.int32)
                 pending.enqueue_cpu_copy(num_sampled=sampled, num_rejected=rejected)
                 pendings.append(pending)

@@ -135,7 +135,7 @@ def test_publication_binds_only_blocks_the_cursor_has_passed():
     table = RequestTable(ring_width=4)
     publisher = Publisher(store, table, BLOCK_SIZE)
     row = table.add("a", 0)
-    table.take_slots_per_request([row], [0], [2], store.allocate)
+    table.extend(np.array([row]), np.array([0]), np.array([3]), store.allocate(3))
     table.add_keys([row], generation_0_keys(1, 2, 3), [3])
     rows = np.array([row], np.int64)
     for cursor, published in [(-1, 0), (3, 0), (5, 1), (7, 1), (8, 2), (12, 3)]:

@@ -14,7 +14,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from r3capture.aux_output import row_reader, slot_planner, step_commit
+from r3capture.aux_output import row_reader, sizing, step_commit
 from sim import (
     make_trace,
     make_vllm_worker,
@@ -77,19 +77,16 @@ def test_random_trace_workers_byte_identical(seed, device_rejections, vector_ope
 def test_random_trace_workers_byte_identical_on_the_narrowest_device_ring(
     seed, device_rejections, budget
 ):
-    """With a one-token lookahead and room for only the 3 draft tokens these traces draw
-    at most (the rows a request may reattach below the scheduler's start), the device ring
-    is as narrow as its bound allows, and with a 16-token budget most traces have a request
-    that wraps it: still byte-identical."""
+    """With room for only the 3 draft tokens these traces draw at most (the rows a request
+    may reattach below the scheduler's start), the device ring is as narrow as its bound
+    allows, and with a 16-token budget most traces have a request that wraps it: still
+    byte-identical."""
     trace = random_trace(seed, **({} if budget is None else {"max_num_batched_tokens": budget}))
     ref = run_trace(trace, make_vllm_worker, catch_errors=True, check=False)
     factory = r3capture_worker_factory(kernel_impl="reference", pass_num_rejected=device_rejections)
-    with (
-        mock.patch.object(slot_planner, "LOOKAHEAD_TOKENS", 1),
-        mock.patch.object(slot_planner, "REATTACH_TOKENS", 3),
-    ):
+    with mock.patch.object(sizing, "REATTACH_TOKENS", 3):
         config = trace.config
-        width, device_width = slot_planner.ring_widths(
+        width, device_width = sizing.ring_widths(
             config.max_num_batched_tokens, config.hash_block_size, config.max_concurrent_batches
         )
         got = run_trace(trace, factory, catch_errors=True, check=False)

@@ -23,202 +23,241 @@ def hash_words(keys: KeyObjects) -> list[int]:
     return rows_of_key_objects(keys)[:, 1].tolist()
 
 
-def _consecutive_slots():
-    """An ``allocate(n)`` that hands out slots 0, 1, 2, ... in order (int64)."""
-    taken = 0
-
-    def allocate(n):
-        nonlocal taken
-        taken += n
-        return np.arange(taken - n, taken, dtype=np.int64)
-
-    return allocate
+def extend(table, rows, firsts, counts, slots):
+    """``table.extend`` on lists (int64 arrays, as the commit passes them)."""
+    table.extend(*(np.asarray(a, np.int64) for a in (rows, firsts, counts, slots)))
 
 
-@pytest.fixture(params=["vectorized", "per_request"])
-def take(request):
-    """``take_slots`` (or ``take_slots_per_request``) on lists, handing out ``slots`` (which
-    must be exactly what it asks)."""
-
-    def take(table, rows, firsts, lasts, slots):
-        def allocate(n):
-            assert n == len(slots), (n, slots)
-            return np.asarray(slots, np.int64)
-
-        if request.param == "per_request":
-            return table.take_slots_per_request(rows, firsts, lasts, allocate)
-        arrays = (np.asarray(a, np.int64) for a in (rows, firsts, lasts))
-        return table.take_slots(*arrays, allocate)
-
-    return take
-
-
-def test_ring_holds_the_unbound_window_and_wraps(take):
+def test_extend_starts_new_rows_at_their_first_block_and_wraps():
     table = RequestTable(ring_width=4)
+    assert table.ring.shape == (table.capacity, 4) and table.ring.dtype == np.int32
     a, b = table.add("a", 0), table.add("b", 0)
-    W2 = 4 + 2  # ring columns plus the block window
-    # a takes blocks 5..7 (its first), b blocks 0..1.
-    index, values = take(table, [a, b], [5, 0], [7, 1], [10, 11, 12, 20, 21])
-    assert index.tolist() == [
-        a * W2 + 1, a * W2 + 2, a * W2 + 3, b * W2 + 0, b * W2 + 1,  # slots (block % 4)
-        a * W2 + 4, b * W2 + 4, a * W2 + 5, b * W2 + 5,  # each window's first, then last block
-    ]  # fmt: skip
-    assert values.tolist() == [10, 11, 12, 20, 21, 5, 0, 7, 1]
-    assert table.ring.reshape(-1)[index].tolist() == values.tolist()
+    # New rows: a takes blocks 5..7, b blocks 0..1; each row's base is its first block.
+    extend(table, [a, b], [5, 0], [3, 2], [10, 11, 12, 20, 21])
+    assert (table.base[a], table.end[a], table.base[b], table.end[b]) == (5, 8, 0, 2)
+    assert table.ring[a].tolist() == [-1, 10, 11, 12]  # blocks 5, 6, 7 at block % 4
+    assert table.ring[b].tolist() == [20, 21, -1, -1]
     assert table.unbound_slots(np.array([a, b])).tolist() == [10, 11, 12, 20, 21]
-    # a hands blocks 5 and 6 to the store, then grows into columns that wrap around.
+    # a hands blocks 5 and 6 to the store, then continues at its end (8) into columns that
+    # wrap around; its base stays where the store left it.
     assert table.take_leading(np.array([a]), np.array([2])).tolist() == [10, 11]
     assert (table.base[a], table.end[a]) == (7, 8)
-    _, values = take(table, [a], [99], [10], [13, 14, 15])
-    assert values.tolist() == [13, 14, 15, 7, 10]  # firsts ignored: a had blocks already
+    extend(table, [a], [8], [3], [13, 14, 15])
+    assert (table.base[a], table.end[a]) == (7, 11)
+    assert table.ring[a].tolist() == [13, 14, 15, 12]  # blocks 8, 9, 10 wrapped
     assert table.unbound_slots(np.array([a])).tolist() == [12, 13, 14, 15]
-    assert table.ring[a].tolist() == [13, 14, 15, 12, 7, 10]  # blocks 8, 9, 10 wrapped
-    positions = np.array([7 * 16 + 3, 10 * 16 + 15])
-    assert table.arena_rows(np.array([a, a]), positions, 16).tolist() == [
+    # b continues at its end; a is untouched.
+    extend(table, [b], [2], [1], [22])
+    assert table.unbound_slots(np.array([a])).tolist() == [12, 13, 14, 15]
+    assert table.unbound_slots(np.array([b])).tolist() == [20, 21, 22]
+    positions = np.array([7 * 16 + 3, 10 * 16 + 15, 2 * 16])
+    assert table.arena_rows(np.array([a, a, b]), positions, 16).tolist() == [
         12 * 16 + 3,
         15 * 16 + 15,
+        22 * 16,
     ]
 
 
-def test_ring_overflow_is_refused_before_any_change(take):
+def test_extend_of_a_row_whose_blocks_were_all_bound_continues_at_its_end():
+    """A row that handed every block to the store (``base == end > 0``) still has blocks:
+    its next slots start at its end, not at a new first block."""
+    table = RequestTable(ring_width=2)
+    a = table.add("a", 0)
+    extend(table, [a], [3], [2], [7, 8])
+    table.take_leading(np.array([a]), np.array([2]))
+    assert (table.base[a], table.end[a]) == (5, 5)
+    extend(table, [a], [5], [2], [9, 10])  # a full ring again: 5..6
+    assert (table.base[a], table.end[a]) == (5, 7)
+    assert table.unbound_slots(np.array([a])).tolist() == [9, 10]
+
+
+def test_ring_overflow_is_refused_before_any_change():
     table = RequestTable(ring_width=3)
-    a = table.add("a", 0)
-    take(table, [a], [0], [1], [1, 2])
-    ring = table.ring.copy()
-    with pytest.raises(OverflowError, match="more than the slot ring holds \\(3\\)"):
-        # Refused before any slot is asked for.
-        take(table, [a], [0], [3], [])
-    assert np.array_equal(table.ring, ring) and table.end[a] == 2
+    a, b = table.add("a", 0), table.add("b", 0)
+    extend(table, [a], [0], [2], [1, 2])
+    state = (table.ring.copy(), table.base.copy(), table.end.copy())
 
+    def unchanged():
+        return all(np.array_equal(x, y) for x, y in zip(state, (table.ring, table.base,
+                                                                table.end)))  # fmt: skip
 
-@pytest.mark.parametrize("seed", range(200))
-def test_per_request_and_vectorized_slot_taking_agree(seed):
-    """Both mechanisms leave the same ring and cursors, ask ``allocate`` for the same
-    count, return the same updates and refuse the same overflow, on random tables."""
-    rng = np.random.default_rng(seed)
-    width = int(rng.integers(2, 9))
-    results = []
-    for mechanism in ("vectorized", "per_request"):
-        step_rng = np.random.default_rng(seed)
-        table = RequestTable(ring_width=width, capacity=4)
-        rows = [table.add(f"r{i}", 0) for i in range(6)]
-        allocate = _consecutive_slots()
-        outcomes = []
-        for _ in range(6):
-            chosen = step_rng.choice(rows, size=int(step_rng.integers(1, 5)), replace=False)
-            firsts, lasts = [], []
-            for row in chosen.tolist():
-                start = int(table.end[row]) if table.end[row] else int(step_rng.integers(0, 20))
-                firsts.append(start)
-                lasts.append(start + int(step_rng.integers(0, width + 1)))
-            if step_rng.random() < 0.5:  # hand some blocks over, as publication does
-                held = table.end[chosen] - table.base[chosen]
-                table.take_leading(chosen, np.minimum(held, step_rng.integers(0, 3, len(chosen))))
-            try:
-                if mechanism == "per_request":
-                    update = table.take_slots_per_request(chosen.tolist(), firsts, lasts, allocate)
-                else:
-                    arrays = (np.asarray(a, np.int64) for a in (chosen, firsts, lasts))
-                    update = table.take_slots(*arrays, allocate)
-                outcomes.append([u.tolist() for u in update])
-            except OverflowError as exc:
-                outcomes.append(str(exc))
-        results.append((outcomes, table.ring.tolist(), table.base.tolist(), table.end.tolist()))
-    assert results[0] == results[1]
-
-
-def test_device_ring_is_narrower_and_holds_the_last_blocks_taken(take):
-    table = RequestTable(ring_width=6, device_width=3)
-    a = table.add("a", 0)
-    D2 = 3 + 2  # device ring columns plus the block window
-    index, values = take(table, [a], [0], [1], [10, 11])
-    assert index.tolist() == [a * D2 + 0, a * D2 + 1, a * D2 + 3, a * D2 + 4]
-    assert values.tolist() == [10, 11, 0, 1]
-    # Blocks 2..4 take five unbound blocks on the host; the device window is the last three,
-    # so block 1 stays unbound on the host but leaves the device ring.
-    index, values = take(table, [a], [0], [4], [12, 13, 14])
-    assert index.tolist() == [a * D2 + 2, a * D2 + 0, a * D2 + 1, a * D2 + 3, a * D2 + 4]
-    assert values.tolist() == [12, 13, 14, 2, 4]
-    assert table.unbound_slots(np.array([a])).tolist() == [10, 11, 12, 13, 14]
-    index, values = take(table, [a], [0], [5], [15])
-    assert values.tolist() == [15, 3, 5] and index.tolist() == [a * D2 + 2, a * D2 + 3, a * D2 + 4]
-    # A take longer than the device ring uploads only the blocks inside the new window.
-    table.take_leading(np.array([a]), np.array([5]))  # blocks 0..4 bound: base 5
-    index, values = take(table, [a], [0], [9], [16, 17, 18, 19])
-    assert values.tolist() == [17, 18, 19, 7, 9]  # block 6 is host-only
-    assert table.device_ring()[a].tolist() == [19, 17, 18, 7, 9]  # blocks 9, 7, 8
-
-
-@pytest.mark.parametrize("device_width", [0, 5])
-def test_device_width_must_fit_the_ring(device_width):
-    match = f"device_width must be in 1..ring_width \\(4\\), got {device_width}"
-    with pytest.raises(ValueError, match=match):
-        RequestTable(ring_width=4, device_width=device_width)
+    message = "a request needs {} unbound hash blocks, more than the slot ring holds \\(3\\)"
+    # b (new) fits; a would hold blocks 0..3: refused, and b is not given its slots either.
+    with pytest.raises(OverflowError, match=message.format(4)):
+        extend(table, [b, a], [0, 2], [1, 2], [5, 6, 7])
+    assert unchanged()
+    # A new row wider than the ring on its own.
+    with pytest.raises(OverflowError, match=message.format(5)):
+        extend(table, [b], [9], [5], [5, 6, 7, 8, 9])
+    assert unchanged()
+    # The first row that overflows names the count.
+    with pytest.raises(OverflowError, match=message.format(6)):
+        extend(table, [b, a], [0, 2], [6, 2], range(8))
+    assert unchanged()
+    # Exactly the ring: accepted; and once a's first blocks are bound, room again.
+    extend(table, [a], [2], [1], [3])
+    assert table.unbound_slots(np.array([a])).tolist() == [1, 2, 3]
+    table.take_leading(np.array([a]), np.array([2]))
+    extend(table, [a], [3], [2], [4, 5])
+    assert table.unbound_slots(np.array([a])).tolist() == [3, 4, 5]
 
 
 @pytest.mark.parametrize("seed", range(150))
-def test_device_ring_updates_keep_a_copy_equal_to_the_rebuilt_ring(seed, take):
-    """Uploading each take's updates (never two to one entry) into a copy of the device
-    ring, rebuilt only when the table grows, keeps every window's entries equal to
-    ``device_ring()`` and to the host ring's slots, on random narrow rings."""
+def test_extend_matches_a_block_by_block_model(seed):
+    """On random tables (rows added, removed and reused, blocks handed to the store, takes
+    that overflow, rings that wrap), ``extend`` keeps every row's unbound slots, base and
+    end equal to a dict of block -> slot per request, and refuses exactly the takes that
+    would hold more than the ring, leaving everything unchanged."""
     rng = np.random.default_rng(seed)
-    width = int(rng.integers(2, 10))
-    device_width = int(rng.integers(1, width + 1))
-    table = RequestTable(ring_width=width, capacity=2, device_width=device_width)
-    next_slot = 0
-    copy = table.device_ring()
+    width = int(rng.integers(1, 8))
+    table = RequestTable(ring_width=width, capacity=2)
+    model: dict[int, dict] = {}  # row -> {"base", "end", "slots": {block: slot}}
     names = iter(range(10**6))
-    for _ in range(12):
-        if rng.random() < 0.3 or len(table) < 3:
-            capacity = table.capacity
-            new = [f"r{next(names)}" for _ in range(int(rng.integers(2, 4)))]
-            table.add_many(new, [0] * len(new))
-            if table.capacity != capacity:
-                copy = table.device_ring()  # the worker attaches again after a growth
-        if rng.random() < 0.2:  # its row is reused fresh by a later request
-            table.remove([next(iter(table.index))])
+    next_slot = 0
+    for _ in range(14):
+        if rng.random() < 0.3 or len(table) < 2:
+            new = [f"r{next(names)}" for _ in range(int(rng.integers(1, 4)))]
+            for row in table.add_many(new, [0] * len(new)).tolist():
+                model[row] = {"base": 0, "end": 0, "slots": {}}
+        if rng.random() < 0.15 and len(table) > 1:
+            request_id = list(table.index)[int(rng.integers(len(table)))]
+            row = table.index[request_id]
+            entry = model.pop(row)
+            freed = table.remove([request_id])
+            blocks = range(entry["base"], entry["end"])
+            assert freed.tolist() == [entry["slots"][b] for b in blocks]
         live = table.live_rows()
         chosen = rng.choice(live, size=int(rng.integers(1, len(live) + 1)), replace=False)
-        held = table.end[chosen] - table.base[chosen]
-        table.take_leading(chosen, np.minimum(held, rng.integers(0, 3, len(chosen))))
-        firsts = rng.integers(0, 20, len(chosen))
-        starts = np.where(table.end[chosen] > 0, table.end[chosen], firsts)
-        # Takes of up to twice the device ring's width, within the host ring's.
-        lasts = starts + rng.integers(0, 2 * device_width + 1, len(chosen))
-        bases = np.where(table.end[chosen] > 0, table.base[chosen], firsts)
-        lasts = np.minimum(lasts, bases + width - 1)
-        grow = lasts >= starts
-        rows, firsts, lasts = chosen[grow], firsts[grow], lasts[grow]
-        if not len(rows):
-            continue
-        count = int((lasts + 1 - starts[grow]).sum())
-        slots = list(range(next_slot, next_slot + count))
-        next_slot += count
-        index, values = take(table, rows.tolist(), firsts.tolist(), lasts.tolist(), slots)
-        assert len(set(index.tolist())) == len(index)
-        copy.reshape(-1)[index] = values
-        rebuilt = table.device_ring()
-        for row in table.live_rows().tolist():
-            if not table.end[row]:
-                continue
-            lo, hi = copy[row, device_width:].tolist()
-            assert hi == table.end[row] - 1 and lo >= max(table.end[row] - device_width, 0)
-            blocks = np.arange(lo, hi + 1)
-            assert copy[row, blocks % device_width].tolist() == (
-                rebuilt[row, blocks % device_width].tolist()
-            )
-            assert copy[row, blocks % device_width].tolist() == (
-                table.ring[row, blocks % width].tolist()
-            )
-            assert rebuilt[row, device_width:].tolist() == [lo, hi]
+        # Publication hands some leading blocks over.
+        held = np.array([model[r]["end"] - model[r]["base"] for r in chosen.tolist()])
+        handed = np.minimum(held, rng.integers(0, 3, len(chosen)))
+        leading = table.take_leading(chosen, handed).tolist()
+        expected = []
+        for row, n in zip(chosen.tolist(), handed.tolist()):
+            entry = model[row]
+            expected += [entry["slots"][b] for b in range(entry["base"], entry["base"] + n)]
+            entry["base"] += n
+        assert leading == expected
+        # A take: each chosen row continues at its end, or starts at a random first block.
+        firsts = [model[r]["end"] or int(rng.integers(0, 20)) for r in chosen.tolist()]
+        counts = rng.integers(0, width + 2, len(chosen)).tolist()
+        slots = list(range(next_slot, next_slot + sum(counts)))
+        needed = [
+            first + count - (model[r]["base"] if model[r]["end"] else first)
+            for r, first, count in zip(chosen.tolist(), firsts, counts)
+        ]
+        before = deepcopy((table.ring, table.base, table.end))
+        if max(needed) > width:
+            first_over = next(n for n in needed if n > width)
+            with pytest.raises(OverflowError, match=f"needs {first_over} unbound"):
+                extend(table, chosen, firsts, counts, slots)
+            after = (table.ring, table.base, table.end)
+            assert all(np.array_equal(x, y) for x, y in zip(before, after))
+        else:
+            extend(table, chosen, firsts, counts, slots)
+            next_slot += len(slots)
+            taken = iter(slots)
+            for row, first, count in zip(chosen.tolist(), firsts, counts):
+                entry = model[row]
+                if not entry["end"]:
+                    entry["base"] = first
+                for block in range(first, first + count):
+                    entry["slots"][block] = next(taken)
+                entry["end"] = first + count
+        for row, entry in model.items():
+            assert (table.base[row], table.end[row]) == (entry["base"], entry["end"])
+            blocks = range(entry["base"], entry["end"])
+            assert table.unbound_slots(np.array([row])).tolist() == [
+                entry["slots"][b] for b in blocks
+            ]
+    assert sorted(model) == sorted(table.live_rows().tolist())
 
 
-def test_new_rows_have_an_empty_window():
+def test_take_fresh_names_each_added_row_once():
+    table = RequestTable(ring_width=2)
+    a, b = table.add("a", 0), table.add("b", 0)
+    assert table.num_unlaunched == 2 and not table.launched[[a, b]].any()
+    assert table.take_fresh(np.array([a])).tolist() == [True]
+    assert table.num_unlaunched == 1 and table.launched[a] and not table.launched[b]
+    # a again, alone: nothing fresh, though b still is.
+    assert table.take_fresh(np.array([a])) is None
+    assert table.num_unlaunched == 1
+    assert table.take_fresh(np.array([b, a])).tolist() == [True, False]
+    assert table.num_unlaunched == 0 and table.launched[[a, b]].all()
+    assert table.take_fresh(np.array([a, b])) is None
+    assert table.take_fresh(np.array([], np.int64)) is None
+    # New rows after launches: only they are fresh, in the launch's order.
+    c, d = table.add_many(["c", "d"], [0, 0]).tolist()
+    assert table.num_unlaunched == 2
+    assert table.take_fresh(np.array([d, a, c, b])).tolist() == [True, False, True, False]
+    assert table.num_unlaunched == 0
+
+
+def test_removing_rows_keeps_the_unlaunched_count_and_reused_rows_are_fresh():
+    table = RequestTable(ring_width=2, capacity=2)
+    a, b, c = (table.add(name, 0) for name in "abc")  # grows past its capacity
+    table.take_fresh(np.array([a]))
+    assert table.num_unlaunched == 2
+    table.remove(["a"])  # launched: the count stays
+    assert table.num_unlaunched == 2
+    table.remove(["b"])  # not launched: one fewer
+    assert table.num_unlaunched == 1
+    # A detached row removed by row, unlaunched, then a launched one.
+    table.take_fresh(np.array([c]))
+    d = table.add("d", 0)
+    table.detach("d")
+    table.remove(["d"], rows=[d])
+    assert table.num_unlaunched == 0
+    # The freed rows come back fresh: a launch names them as fresh again.
+    e, f = table.add_many(["e", "f"], [0, 0]).tolist()
+    assert {e, f} <= {a, b, d} and not table.launched[[e, f]].any()
+    assert table.num_unlaunched == 2
+    assert table.take_fresh(np.array([c, e, f])).tolist() == [False, True, True]
+    # Growth keeps the launched flags of rows already there.
+    names = [f"g{i}" for i in range(2 * table.capacity)]
+    rows = table.add_many(names, [0] * len(names))
+    assert table.launched[[c, e, f]].all() and not table.launched[rows].any()
+    assert table.num_unlaunched == len(names)
+    table.clear()
+    assert table.num_unlaunched == 0 and len(table) == 0
+
+
+@pytest.mark.parametrize("seed", range(100))
+def test_num_unlaunched_counts_the_live_rows_no_launch_named(seed):
+    """On random adds, removals (by id and of detached rows by row), launches and growth,
+    ``num_unlaunched`` equals the live and detached rows not launched, and ``take_fresh``
+    names exactly the launched rows not launched before."""
+    rng = np.random.default_rng(seed)
     table = RequestTable(ring_width=2, capacity=1)
-    rows = [table.add(name, 0) for name in "abc"]  # grows twice
-    for row in rows:
-        lo, hi = table.ring[row, 2:]
-        assert hi < lo and table.end[row] == 0
+    names = iter(range(10**6))
+    detached: dict[str, int] = {}
+    for _ in range(20):
+        action = rng.random()
+        if action < 0.35 or not len(table):
+            new = [f"r{next(names)}" for _ in range(int(rng.integers(1, 4)))]
+            table.add_many(new, [0] * len(new))
+        elif action < 0.5:
+            request_id = list(table.index)[int(rng.integers(len(table)))]
+            table.remove([request_id])
+        elif action < 0.6:
+            request_id = list(table.index)[int(rng.integers(len(table)))]
+            detached[request_id] = table.index[request_id]
+            table.detach(request_id)
+        elif action < 0.7 and detached:
+            ids = list(detached)
+            table.remove(ids, rows=[detached.pop(i) for i in ids])
+        elif len(table):
+            live = table.live_rows()
+            rows = rng.choice(live, size=int(rng.integers(1, len(live) + 1)), replace=False)
+            before = table.launched[rows].copy()
+            fresh = table.take_fresh(rows)
+            if before.all():
+                assert fresh is None
+            else:
+                assert fresh.tolist() == (~before).tolist()
+            assert table.launched[rows].all()
+        held = np.array([*table.index.values(), *detached.values()], np.int64)
+        assert table.num_unlaunched == int(np.count_nonzero(~table.launched[held]))
 
 
 def test_keys_grow_and_release_tail_first_in_row_order():
@@ -236,12 +275,13 @@ def test_keys_grow_and_release_tail_first_in_row_order():
     assert order[0] is first[3] and table.keys_of(a, 0, 1)[0] is first[0]
 
 
-def test_removed_rows_are_reused_fresh_and_version_bumps(take):
+def test_removed_rows_are_reused_fresh_and_version_bumps():
     table = RequestTable(ring_width=4)
     a = table.add("a", 5)
     table.cursor[a], table.scheduled[a], table.finished[a] = 9, 12, True
     table.add_keys([a], keys(1), [1])
-    take(table, [a], [0], [1], [3, 4])
+    table.take_fresh(np.array([a]))
+    extend(table, [a], [0], [2], [3, 4])
     version = table.version
     assert table.remove(["a"]).tolist() == [3, 4]
     assert table.version > version and "a" not in table.index
@@ -249,15 +289,16 @@ def test_removed_rows_are_reused_fresh_and_version_bumps(take):
     assert again == a
     fresh = (table.cursor, table.scheduled, table.emit, table.base, table.end, table.num_keys)
     assert [int(column[again]) for column in fresh] == [NO_CURSOR, 0, 2, 0, 0, 0]
-    assert not table.finished[again] and len(table.release_order([again])) == 0
+    assert not table.finished[again] and not table.launched[again]
+    assert len(table.release_order([again])) == 0
     with pytest.raises(KeyError):
         table.rows(["a"])
 
 
-def test_clear_frees_every_unbound_slot_in_add_order(take):
+def test_clear_frees_every_unbound_slot_in_add_order():
     table = RequestTable(ring_width=4)
     rows = [table.add(name, 0) for name in ("x", "y", "z")]
-    take(table, rows, [0, 3, 5], [0, 4, 5], [7, 8, 9, 6])
+    extend(table, rows, [0, 3, 5], [1, 2, 1], [7, 8, 9, 6])
     assert table.live_rows().tolist() == rows
     assert table.clear().tolist() == [7, 8, 9, 6]
     assert len(table) == 0
@@ -265,7 +306,7 @@ def test_clear_frees_every_unbound_slot_in_add_order(take):
 
 def test_add_many_takes_fresh_rows_and_grows_past_double():
     table = RequestTable(ring_width=2, capacity=2)
-    assert table.capacity == 2 and len(table.cursor) == 2 and table.ring.shape == (2, 4)
+    assert table.capacity == 2 and len(table.cursor) == 2 and table.ring.shape == (2, 2)
     first = table.add("a", 1)
     table.cursor[first] = 7
     table.remove(["a"])
@@ -277,6 +318,7 @@ def test_add_many_takes_fresh_rows_and_grows_past_double():
     assert table.emit[rows].tolist() == list(range(10, 19))
     assert (table.cursor[rows] == NO_CURSOR).all() and not table.finished[rows].any()
     assert (table.end[rows] == 0).all() and (table.num_keys[rows] == 0).all()
+    assert table.ring.shape == (table.capacity, 2) and (table.ring[rows] == -1).all()
     assert table.add_many([], []).tolist() == [] and len(table) == 9
 
 
@@ -289,7 +331,7 @@ def test_window_slots_per_request_and_vectorized_agree(seed, monkeypatch):
     width = int(rng.integers(2, 9))
     table = RequestTable(ring_width=width, capacity=4)
     rows = [table.add(f"r{i}", 0) for i in range(6)]
-    allocate = _consecutive_slots()
+    next_slot = 0
     for _ in range(8):
         row = int(rng.choice(rows))
         held = int(table.end[row] - table.base[row])
@@ -299,7 +341,9 @@ def test_window_slots_per_request_and_vectorized_agree(seed, monkeypatch):
             first = int(table.end[row]) if table.end[row] else int(rng.integers(0, 20))
             last = int(table.base[row] if table.end[row] else first) + int(rng.integers(0, width))
             if last >= first:
-                table.take_slots_per_request([row], [first], [last], allocate)
+                count = last + 1 - first
+                extend(table, [row], [first], [count], range(next_slot, next_slot + count))
+                next_slot += count
     chosen = np.asarray(rng.permutation(rows)[: int(rng.integers(1, 7))], np.int64)
     held = np.maximum(table.end[chosen] - table.base[chosen], 0)
     handed = np.asarray([int(rng.integers(0, h + 1)) for h in held.tolist()], np.int64)
@@ -318,16 +362,17 @@ def test_window_slots_per_request_and_vectorized_agree(seed, monkeypatch):
 
 
 def test_ring_widths_keep_one_step_on_the_device():
-    from r3capture.aux_output.slot_planner import ring_widths
+    from r3capture.aux_output.sizing import REATTACH_TOKENS, ring_widths
 
+    assert REATTACH_TOKENS == 256
     # 8,192-token budget, B = 16, two steps in flight: the host holds three steps of 513
-    # blocks (a partial first block included), one more and 16 of lookahead; the device one
-    # step, one more, the lookahead and 16 blocks of reattachment.
-    assert ring_widths(8192, 16, 2) == (3 * 513 + 1 + 16, 513 + 1 + 16 + 16)
-    assert ring_widths(8192, 16, 1) == (2 * 513 + 1 + 16, 513 + 1 + 16 + 16)
-    # Small budgets: the lookahead and reattachment room outgrow the steps in flight, and
-    # the device ring is the host's.
-    assert ring_widths(64, 4, 2) == (3 * 17 + 1 + 64,) * 2
+    # blocks (a partial first block included) and one more; the device one step, one more
+    # and 16 blocks of reattachment.
+    assert ring_widths(8192, 16, 2) == (3 * 513 + 1, 513 + 1 + 16)
+    assert ring_widths(8192, 16, 1) == (2 * 513 + 1, 513 + 1 + 16)
+    # Small budgets: the reattachment room outgrows the steps in flight, and the device
+    # ring is the host's.
+    assert ring_widths(64, 4, 2) == (3 * 17 + 1,) * 2
 
 
 def test_rows_reuse_answers_from_another_cache_without_replacing_it():

@@ -25,6 +25,16 @@ B, L, K, W = 4, 2, 3, 6  # hash block, layers, top-k, ring width (blocks)
 ROW_NBYTES = L * K
 
 
+def _give_slots(store: BlockStore, table: RequestTable, rows, firsts, lasts) -> np.ndarray:
+    """Give each ``rows[i]`` (no blocks yet, or ending at ``firsts[i]``) new store slots for
+    blocks ``firsts[i] .. lasts[i]``, as the commit does with the slots its launch took;
+    returns the block counts."""
+    rows, firsts, lasts = (np.asarray(a, np.int64) for a in (rows, firsts, lasts))
+    counts = lasts + 1 - firsts
+    table.extend(rows, firsts, counts, store.allocate(int(counts.sum())))
+    return counts
+
+
 def _store() -> BlockStore:
     """A store of ``B``-row blocks with room for every test's slots."""
     return BlockStore(max_bytes=1 << 16, object_nbytes=B * ROW_NBYTES, reserve_slots=256)
@@ -48,12 +58,7 @@ def _setup(rng: np.random.Generator, num_reqs: int, max_len: int, pool: OutputPo
     emit_starts = rng.integers(0, 60, num_reqs)
     counts = rng.integers(1, max_len + 1, num_reqs)
     token_ends = emit_starts + counts
-    table.take_slots_per_request(
-        rows.tolist(),
-        (emit_starts // B).tolist(),
-        ((token_ends - 1) // B).tolist(),
-        store.allocate,
-    )
+    _give_slots(store, table, rows, emit_starts // B, (token_ends - 1) // B)
     store.arena_np[:] = rng.integers(0, 256, store.arena_np.shape, dtype=np.uint8)
     reader = _reader(store, table, pool)
     # The commit's plan: about 70 % of the requests (at least one) return rows this step.
@@ -129,7 +134,7 @@ def _hit(rng: np.random.Generator, stored_blocks: int, open_rows: int):
     table.add_keys([row], keys, [stored_blocks])
     end = stored_blocks * B + open_rows
     if open_rows:
-        table.take_slots_per_request([row], [stored_blocks], [(end - 1) // B], store.allocate)
+        _give_slots(store, table, [row], [stored_blocks], [(end - 1) // B])
     reader = _reader(store, table)
     arena = store.arena_np.view(np.uint8).reshape(-1, L, K)
     expected = [arena[int(stored[p // B]) * B + p % B] for p in range(stored_blocks * B)]
@@ -186,8 +191,8 @@ def test_materialize_refuses_rows_before_the_open_block_that_are_not_stored():
 @pytest.mark.parametrize("seed", range(20))
 def test_place_staged_scatters_each_accepted_row_into_its_slot(seed):
     """Staging: the host copy holds the step's rows in step-row order; each request's
-    accepted rows (``step_info``: start, accepted, status) go to its ring slots, and a
-    failed request's (status != 0) or a request without accepted rows' go nowhere."""
+    accepted rows (``step_info``: start, accepted, status, slots taken) go to its ring slots,
+    and a failed request's (status != 0) or a request without accepted rows' go nowhere."""
     rng = np.random.default_rng(seed)
     num_reqs = int(rng.integers(1, 8))
     store = _store()
@@ -195,16 +200,13 @@ def test_place_staged_scatters_each_accepted_row_into_its_slot(seed):
     rows = table.add_many([f"r{i}" for i in range(num_reqs)], [0] * num_reqs)
     scheduled = rng.integers(1, 9, num_reqs)
     starts = rng.integers(0, 40, num_reqs)
-    table.take_slots_per_request(
-        rows.tolist(), (starts // B).tolist(), ((starts + scheduled - 1) // B).tolist(),
-        store.allocate,
-    )  # fmt: skip
+    taken = _give_slots(store, table, rows, starts // B, (starts + scheduled - 1) // B)
     qsl = np.concatenate(([0], np.cumsum(scheduled))).astype(np.int64)
     accepted = rng.integers(0, scheduled + 1)
     status = np.where(rng.random(num_reqs) < 0.25, 2, 0)
     # A failed request reports -1 accepted rows, as the kernel does.
     accepted = np.where(status == 0, accepted, -1)
-    step_info = np.stack([starts, accepted, status], axis=1).astype(np.int32)
+    step_info = np.stack([starts, accepted, status, taken], axis=1).astype(np.int32)
     staged = rng.integers(0, 256, (int(qsl[-1]), L, K), dtype=np.uint8)
     before = store.arena_np.copy()
     _reader(store, table).place_staged(StepLayout([], rows, starts, qsl), step_info, staged)
@@ -224,7 +226,7 @@ def test_materialize_reads_only_stored_blocks_before_the_rows_end():
     rng = np.random.default_rng(3)
     reader, row, expected = _hit(rng, 3, 0)  # keys and stored rows for blocks 0..2
     table, store = reader._table, reader._store
-    table.take_slots_per_request([row], [1], [1], store.allocate)  # block 1 open, own slot
+    _give_slots(store, table, [row], [1], [1])  # block 1 open, own slot
     open_rows = _expected(store, table, row, 4, 6)
     assert not np.array_equal(open_rows, expected[4:6])  # tells the two apart
     for emit_start in (0, 2):

@@ -41,8 +41,12 @@ def layout(table, names, starts, counts):
     return StepLayout(names, table.rows(names), np.asarray(starts, np.int64), qsl)
 
 
-def info(starts, written):
-    return np.stack([starts, written, np.zeros(len(starts))], axis=1).astype(np.int32)
+def info(starts, written, taken=None):
+    """The kernel's ``step_info``: start, rows written, status 0 and slots taken (which the
+    commit does not check: the request book hands them to the table first)."""
+    zeros = np.zeros(len(starts))
+    taken = zeros if taken is None else taken
+    return np.stack([starts, written, zeros, taken], axis=1).astype(np.int32)
 
 
 def test_reattach_after_rejection_and_emit_split():
@@ -115,9 +119,9 @@ def test_first_failing_request_names_vllms_error(
 @pytest.mark.parametrize(
     "step_info, what",
     [
-        (np.array([[4, 2, 2]], np.int32), "status=2"),
-        (np.array([[4, 1, 0]], np.int32), "rows written=1 of 2"),
-        (np.array([[5, 2, 0]], np.int32), "start=5 \\(expected 4\\)"),
+        (np.array([[4, 2, 2, 0]], np.int32), "status=2"),
+        (np.array([[4, 1, 0, 1]], np.int32), "rows written=1 of 2"),
+        (np.array([[5, 2, 0, 1]], np.int32), "start=5 \\(expected 4\\)"),
     ],
 )
 def test_kernel_results_that_disagree_fail_closed(step_info, what):
@@ -173,7 +177,9 @@ def _random_step(rng: random.Random, num_reqs: int, valid: bool):
     capture = np.minimum(starts, cursor)
     accepted = np.array(counts) - np.array(rejected)
     # Without the device's rejected counts the kernel writes every scheduled row.
-    placed = info(capture, accepted if rng.random() < 0.5 else np.array(counts))
+    written = accepted if rng.random() < 0.5 else np.array(counts)
+    # Slots taken: whatever the launch opened (0 to 2 blocks here); the commit ignores them.
+    placed = info(capture, written, [rng.randrange(3) for _ in range(num_reqs)])
     if not valid and rng.random() < 0.5:
         i = rng.randrange(num_reqs)
         placed[i, rng.randrange(3)] += rng.choice([-1, 1, 2])

@@ -7,7 +7,7 @@ from unittest import mock
 
 import pytest
 
-from r3capture.aux_output import row_reader, slot_planner
+from r3capture.aux_output import row_reader, sizing
 from r3capture.aux_output.types import AuxRequestOutput
 from sim.sweep import VLLM_WRONG, draw_case, main, patched_knobs, run_case
 
@@ -27,17 +27,17 @@ def test_a_seed_draws_the_same_case_every_time_and_only_cases_the_worker_support
             assert case.destination != "direct"
     # Every alternative is drawn: both sides of each threshold, both destinations.
     assert {case.knobs["PER_REQUEST_MAX"] for case in cases} >= {0, 1000}
-    assert {case.knobs["LOOKAHEAD_TOKENS"] for case in cases} >= {1, 256}
+    assert {case.knobs["REATTACH_TOKENS"] for case in cases} >= {0, 256}
     assert {case.destination for case in cases} == {"auto", "staging", "direct"}
     assert {case.interleave_seed is None for case in cases} == {True, False}
     assert {case.shape["kv_delivery"] for case in cases} == {True, False}
 
 
 def test_knobs_are_patched_only_for_the_run():
-    with patched_knobs({"LOOKAHEAD_TOKENS": 3, "EMIT_PER_REQUEST_MAX": 0}):
-        assert slot_planner.LOOKAHEAD_TOKENS == 3
+    with patched_knobs({"REATTACH_TOKENS": 3, "EMIT_PER_REQUEST_MAX": 0}):
+        assert sizing.REATTACH_TOKENS == 3
         assert row_reader.EMIT_PER_REQUEST_MAX == 0
-    assert slot_planner.LOOKAHEAD_TOKENS == 256
+    assert sizing.REATTACH_TOKENS == 256
     assert row_reader.EMIT_PER_REQUEST_MAX == 8
 
 
@@ -82,13 +82,13 @@ def test_a_seed_range_must_name_seeds():
 
 
 def test_a_seed_where_only_vllm_fails_passes_and_is_counted_apart(capsys):
-    # Seed 370: a request resumed with a step of its earlier run in flight, under a KV
+    # Seed 85: a request resumed with a step of its earlier run in flight, under a KV
     # connector that must deliver (tests/aux_output/test_resumed_requests.py).
-    case = draw_case(370)
+    case = draw_case(85)
     assert case.shape["kv_delivery"] and case.shape["max_concurrent_batches"] == 3
     assert run_case(case) == VLLM_WRONG
-    assert main(["--seeds", "370:371"]) == 0
-    assert "1 seeds (370:371), 0 failed, 1 where only vLLM fails" in capsys.readouterr().out
+    assert main(["--seeds", "85:86"]) == 0
+    assert "1 seeds (85:86), 0 failed, 1 where only vLLM fails" in capsys.readouterr().out
 
 
 def test_only_the_simulators_step_limit_counts_as_an_unfinished_trace():

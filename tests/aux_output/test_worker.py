@@ -8,6 +8,7 @@ never aliasing reusable memory, store growth waiting for device writes, and ever
 
 from __future__ import annotations
 
+import weakref
 from types import SimpleNamespace
 
 import numpy as np
@@ -20,6 +21,7 @@ from r3capture.aux_output.types import AuxOutputConnectorMetadata, PackedBlockHa
 from r3capture.aux_output.worker import TritonAuxOutputWorker
 from r3capture.store import BlockStore, as_key_objects, key_string, rows_of_key_objects
 from sim import make_trace, make_vllm_worker, run_trace
+from sim.request_indices import RequestIndices
 from sim.trace import SCENARIOS
 from sim.workers import make_r3capture_worker, r3capture_worker_factory
 
@@ -63,9 +65,21 @@ def make_worker(**overrides) -> TritonAuxOutputWorker:
     return TritonAuxOutputWorker(WorkerSizing(**sizes), **options)
 
 
-def batch_of(**fields) -> SimpleNamespace:
-    """An input batch as Model Runner V2 hands it over: host and device query_start_loc."""
+_INDICES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def batch_of(worker: TritonAuxOutputWorker, **fields) -> SimpleNamespace:
+    """An input batch as Model Runner V2 hands it over: host and device query_start_loc, and
+    each request's index (held while the worker tracks the request, as MRV2 holds it until
+    the request finishes)."""
     fields.setdefault("query_start_loc", torch.as_tensor(fields["query_start_loc_np"]))
+    if "idx_mapping" not in fields:
+        indices = _INDICES.setdefault(worker, RequestIndices(worker.sizing.max_num_seqs))
+        indices.free([r for r in list(indices.of) if not worker._book.is_tracked(r)])
+        for request_id in fields["req_ids"]:
+            if request_id not in indices.of:
+                indices.add(request_id)
+        fields["idx_mapping_np"], fields["idx_mapping"] = indices.mapping(fields["req_ids"])
     return SimpleNamespace(**fields)
 
 
@@ -98,7 +112,7 @@ def start_step(worker, metadata, batch, rejected=None, padding=0):
     rejected = np.zeros(n, np.int32) if rejected is None else np.asarray(rejected, np.int32)
     # What the plugin does: the step's device rejected counts reach the kernel.
     worker.set_step_num_rejected(torch.from_numpy(rejected))
-    return worker.prepare_output(batch_of(**fields)), rejected
+    return worker.prepare_output(batch_of(worker, **fields)), rejected
 
 
 def finish_step(started, sampled=None):
@@ -137,57 +151,23 @@ def test_prefill_then_speculative_decode(destination):
     worker.close()
 
 
-def test_an_upload_copies_the_shortest_power_of_two_prefix_holding_its_entries(monkeypatch):
-    """The upload buffer is sized for every request taking slots at once; a step moves the
-    table rows and its own entries, rounded up to a power of two (or the whole buffer)."""
-    from r3capture.aux_output import device_side
+def test_a_step_without_requests_launches_nothing(monkeypatch):
+    """An empty step launches no kernel (and so takes no launch serial); the steps around it
+    still write their rows."""
+    from r3capture.kernels import GatherAllocLaunch
 
-    copies = []
-    upload = device_side.device_upload
-
-    def recording(dst, src, ring_flat, index, values):
-        copies.append((len(dst), len(src), 0 if index is None else len(index)))
-        upload(dst, src, ring_flat, index, values)
-
-    monkeypatch.setattr(device_side, "device_upload", recording)
-    worker = make_worker(max_num_seqs=4, max_num_batched_tokens=64)
-    size = len(worker.device_side._upload_host[0])
-    assert size == 4 + 3 * (64 // B + 4 + 4 * (2 + 256 // B))  # int64 index, int32 value
-    out = run_step(worker, meta({"a": 0}), [("a", 1, 0, 60)])  # one request, many blocks
-    assert np.array_equal(out["a"].rows, routes(1, 0, 60).astype(np.uint8))
-    out = run_step(worker, meta({"a": 60, "b": 0}), [("a", 1, 60, 1), ("b", 2, 0, 1)])
-    assert np.array_equal(out["b"].rows, routes(2, 0, 1).astype(np.uint8))
-    assert len(copies) == 2
-    for length, source_length, updates in copies:
-        used = 4 + 3 * updates
-        assert updates and source_length == length
-        assert used <= length and (length < 2 * used or length == size), (length, used)
-    # "a" takes blocks 0..14 and the 64-block lookahead (79 slots, its 2 window entries),
-    # "b" blocks 0..64 (65 + 2): with the 4 table rows 247 and 205 int32, so 256 of 856.
-    assert copies == [(256, 256, 81), (256, 256, 67)] and size == 856
-    worker.close()
-
-
-def test_a_step_without_requests_uploads_nothing(monkeypatch):
-    """An empty step launches no kernel, so it moves nothing to the device; the steps around
-    it still write their rows."""
-    from r3capture.aux_output import device_side
-
-    uploads = []
-    upload = device_side.device_upload
+    launches = []
+    launch = GatherAllocLaunch.launch_checked
     monkeypatch.setattr(
-        device_side, "device_upload", lambda *args: (uploads.append(1), upload(*args))
+        GatherAllocLaunch, "launch_checked", lambda *a: (launches.append(a[1]), launch(*a))
     )
     worker = make_worker()
     out = run_step(worker, meta({"a": 0}), [("a", 1, 0, 3)])
     assert np.array_equal(out["a"].rows, routes(1, 0, 3).astype(np.uint8))
-    assert len(uploads) == 1
     assert run_step(worker, meta({}), []) == {}
-    assert len(uploads) == 1
-    out = run_step(worker, meta({"a": 3}), [("a", 1, 3, 1)])
-    assert np.array_equal(out["a"].rows, routes(1, 3, 1).astype(np.uint8))
-    # The scheduler's rows for "a", unchanged since its first step: the device has them.
-    assert len(uploads) == 1
+    out = run_step(worker, meta({"a": 3}), [("a", 1, 3, 2)])
+    assert np.array_equal(out["a"].rows, routes(1, 3, 2).astype(np.uint8))
+    assert [shape.launch for shape in launches] == [1, 2]
     worker.close()
 
 
@@ -226,7 +206,8 @@ def test_a_request_finishing_with_a_step_in_flight_is_torn_down_by_that_step(ste
     out = run_step(worker, meta({"b": 5}), [("b", 2, 5, 1)])
     assert np.array_equal(out["b"].rows, routes(2, 5, 1).astype(np.uint8))
     assert run_step(worker, meta({}, finished=["b"]), []) == {}
-    assert worker.num_active_requests() == 0 and worker.store.num_unbound == 0
+    assert worker.num_active_requests() == 0
+    assert worker.store.num_unbound == worker._book.queued_slots  # only the queue's stock
     worker.close()
 
 
@@ -279,7 +260,7 @@ def test_single_row_step_after_rejection_reattaches_at_the_cursor():
         positions=torch.tensor([10]),  # the model runner's corrected position
     )
     worker.set_step_num_rejected(torch.zeros(1, dtype=torch.int32))
-    pending = worker.prepare_output(batch_of(**fields))
+    pending = worker.prepare_output(batch_of(worker, **fields))
     pending.enqueue_cpu_copy(num_sampled=np.ones(1, np.int32), num_rejected=np.zeros(1, np.int32))
     out = pending.process_output()
     assert out["a"].token_start == 10
@@ -388,6 +369,7 @@ def test_outputs_in_flight_are_bounded():
     worker = make_worker(max_concurrent_batches=1)
     worker.begin_step(meta({"a": 0}))
     batch = batch_of(
+        worker,
         req_ids=["a"],
         query_start_loc_np=np.array([0, 1]),
         num_computed_tokens_np=np.array([0]),
@@ -399,13 +381,14 @@ def test_outputs_in_flight_are_bounded():
 
 
 def test_warmup_and_non_output_ranks_skip_the_data_plane():
+    worker = make_worker()
     batch = batch_of(
+        worker,
         req_ids=["a"],
         query_start_loc_np=np.array([0, 1]),
         num_computed_tokens_np=np.array([0]),
         positions=torch.zeros(1, dtype=torch.int64),
     )
-    worker = make_worker()
     worker.begin_step(None)
     assert worker.prepare_output(batch) is None
     other_rank = make_worker(is_output_rank=False)
@@ -499,6 +482,7 @@ def test_prepare_output_needs_the_device_positions(positions, message):
     worker = make_worker()
     worker.begin_step(meta({"a": 0}))
     batch = batch_of(
+        worker,
         req_ids=["a"],
         query_start_loc_np=np.array([0, 3]),
         num_computed_tokens_np=np.array([0]),
@@ -555,39 +539,32 @@ def test_every_key_the_worker_reads_is_referenced(scenario, monkeypatch):
         assert reads, "the scenario should read stored blocks"
 
 
-def test_async_decode_changes_only_the_ring_entries_of_requests_past_their_slots(monkeypatch):
-    """Two steps in flight (MRV2's async scheduling): a decode step gives new slots only to
-    requests whose token lies past their last slot (then LOOKAHEAD_TOKENS more), and no
-    request's unbound window grows beyond what it needs."""
-    from r3capture.aux_output import device_side
+def test_async_decode_takes_one_slot_per_block_and_flags_each_request_fresh_once(monkeypatch):
+    """Two steps in flight (MRV2's async scheduling): the kernel gives a request a new slot
+    exactly when its token enters a new block, the host learns it at the commit, no
+    request's unbound range grows beyond the blocks of the steps in flight, and only a
+    request's first launch flags it as new to its index."""
     from r3capture.aux_output.device_side import DeviceSide
-    from r3capture.aux_output.slot_planner import LOOKAHEAD_TOKENS
 
-    updates = []
+    fresh_launches = []
     launch = DeviceSide.launch
 
-    def counting(self, **kwargs):
-        changed = kwargs["ring_updates"]
-        updates.append(0 if changed is None else len(changed[0]))
-        return launch(self, **kwargs)
+    def recording(self, *args, fresh, **kwargs):
+        fresh_launches.append(fresh)
+        return launch(self, *args, fresh=fresh, **kwargs)
 
-    monkeypatch.setattr(DeviceSide, "launch", counting)
-    uploads = []
-    upload = device_side.device_upload
-    monkeypatch.setattr(device_side, "device_upload", lambda *a: uploads.append(a) or upload(*a))
+    monkeypatch.setattr(DeviceSide, "launch", recording)
     worker = make_worker(max_concurrent_batches=2, max_num_seqs=3)
     table = worker._book.table
-    lookahead = LOOKAHEAD_TOKENS // B
     names, seeds, lengths = ["a", "b", "c"], [1, 2, 3], [3, 5, 6]
     prefill_hashes = {n: hashes(s, range(ln // B)) for n, s, ln in zip(names, seeds, lengths)}
     run_step(worker, meta({n: 0 for n in names}, prefill_hashes),
              [(n, s, 0, ln) for n, s, ln in zip(names, seeds, lengths)])  # fmt: skip
-    updates.clear()
-    uploads.clear()
+    assert fresh_launches == [True]
     in_flight = []
     outputs = {n: [] for n in names}
-    steps = 3 * LOOKAHEAD_TOKENS
-    for step in range(steps):
+    rows = table.rows(names)
+    for step in range(40):
         starts = [ln + step for ln in lengths]
         # The scheduler sends a block's hash with the step that computes its last token.
         completed = {
@@ -598,62 +575,56 @@ def test_async_decode_changes_only_the_ring_entries_of_requests_past_their_slots
             np.concatenate([routes(s, t, 1) for s, t in zip(seeds, starts)])
         )
         batch = batch_of(
+            worker,
             req_ids=names,
             query_start_loc_np=np.arange(4, dtype=np.int32),
             num_computed_tokens_np=np.array(starts, np.int32),
             positions=torch.tensor(starts, dtype=torch.int64),
         )
         worker.set_step_num_rejected(torch.zeros(3, dtype=torch.int32))
-        rows = table.rows(names)
-        ends = table.end[rows].copy()
         pending = worker.prepare_output(batch)
-        # Only requests whose token's block has no slot grew: their new slots plus the two
-        # ends of their window changed in the ring; nothing else did.
-        grew = [t // B >= end for t, end in zip(starts, ends)]
-        expected = sum(t // B + lookahead + 1 - end + 2 for t, end, g in zip(starts, ends, grew)
-                       if g)  # fmt: skip
-        assert updates[-1] == expected, (step, starts, ends)
-        assert (table.end[rows] - table.base[rows]).max() <= 2 + lookahead
         sampled, rejected = np.ones(3, np.int32), np.zeros(3, np.int32)
         pending.enqueue_cpu_copy(num_sampled=sampled, num_rejected=rejected)
-        in_flight.append(pending)
+        in_flight.append((pending, starts))
         if len(in_flight) == 2:
-            for name, out in in_flight.pop(0).process_output().items():
+            done, done_starts = in_flight.pop(0)
+            for name, out in done.process_output().items():
                 outputs[name].append(out)
-    for name, out in in_flight.pop().process_output().items():
+            # Committed through done_starts: each request's slots end at its token's block.
+            assert table.end[rows].tolist() == [t // B + 1 for t in done_starts]
+            assert (table.end[rows] - table.base[rows]).max() <= 2
+    for name, out in in_flight.pop()[0].process_output().items():
         outputs[name].append(out)
-    # Most steps changed nothing on the device, and those uploaded nothing: the batch's
-    # table rows are already there.
-    assert sum(1 for n in updates if n) <= 3 * (steps // LOOKAHEAD_TOKENS + 1)
-    assert len(uploads) == sum(1 for n in updates if n)
+    assert fresh_launches == [True] + [False] * 40
     for name, seed, length in zip(names, seeds, lengths):
-        rows = np.concatenate([o.rows for o in outputs[name]])
+        got = np.concatenate([o.rows for o in outputs[name]])
         assert outputs[name][0].token_start == length
-        assert np.array_equal(rows, routes(seed, length, steps).astype(np.uint8))
+        assert np.array_equal(got, routes(seed, length, 40).astype(np.uint8))
     worker.close()
 
 
-def test_requests_waiting_outside_the_batch_grow_the_slot_reserve_instead_of_failing():
-    """max_num_seqs bounds the requests of one step, not those holding slots: preempted
-    requests keep their unbound blocks (open block and lookahead) while others run. When the
-    reserve runs out, the store grows (waiting for device writes first) instead of failing
-    the launch, and every request's rows still come back right."""
+def _long_prefills_without_keys(worker, names: list[str]) -> None:
+    """Each of ``names`` prefills 96 rows in three 32-row steps, and no block hash ever
+    arrives: every block stays unbound, and each row comes back right."""
+    for seed, name in enumerate(names):
+        for step in range(3):
+            start = 32 * step
+            out = run_step(worker, meta({name: start}), [(name, seed, start, 32)])
+            assert np.array_equal(out[name].rows, routes(seed, start, 32).astype(np.uint8))
+
+
+def test_blocks_waiting_for_their_keys_grow_the_slot_reserve_instead_of_failing():
+    """Unbound blocks (their keys have not arrived) hold slots beside the queue's stock; when
+    the reserve runs out, refilling the queue grows the store (waiting for device writes
+    first) instead of failing, and every request's rows still come back right."""
     worker = make_worker(max_num_seqs=2)
     reserve = worker.store.reserve_slots
-    names = [f"w{i}" for i in range(8)]
-    for i in range(0, len(names), 2):
-        pair = names[i : i + 2]
-        out = run_step(worker, meta({n: 0 for n in pair}), [(n, i + j, 0, 3) for j, n in
-                                                           enumerate(pair)])  # fmt: skip
-        for j, name in enumerate(pair):
-            assert np.array_equal(out[name].rows, routes(i + j, 0, 3).astype(np.uint8))
-    # Eight requests, each holding its open block and lookahead: more than the first reserve.
+    _long_prefills_without_keys(worker, ["a", "b"])
     assert worker.store.num_unbound > reserve
     assert worker.store.reserve_slots >= worker.store.num_unbound
-    for seed, name in enumerate(names):
-        out = run_step(worker, meta({name: 3}), [(name, seed, 3, 1)])
-        assert out[name].token_start == 3
-        assert np.array_equal(out[name].rows, routes(seed, 3, 1).astype(np.uint8))
+    for seed, name in enumerate(["a", "b"]):
+        out = run_step(worker, meta({name: 96}), [(name, seed, 96, 1)])
+        assert np.array_equal(out[name].rows, routes(seed, 96, 1).astype(np.uint8))
     worker.close()
 
 
@@ -668,13 +639,13 @@ def _four_new_requests_write_their_rows(worker, step: int) -> list[str]:
     return names
 
 
-def test_a_launch_that_grows_the_arena_writes_rows_into_its_new_slots():
-    """Taking slots can grow the store's arena in the middle of a launch; the step's rows
-    that land in slots past the old arena must be written there, not refused."""
-    worker = make_worker()
-    store, planner = worker.store, worker._book._slots
+def test_a_launch_after_the_arena_grew_writes_rows_into_its_new_slots():
+    """Refilling the queue can grow the store's arena; launches after it must write the rows
+    that land in slots past the old arena there, not refuse them."""
+    worker = make_worker(max_num_seqs=2, max_bytes=B * ROW_BYTES * 4)  # a small first arena
+    store, queue = worker.store, worker._book._queue
     beyond_old_arena = []
-    allocate = planner._allocate
+    allocate = queue._allocate
 
     def watched_allocate(n):
         physical = store.arena.shape[0]
@@ -682,10 +653,9 @@ def test_a_launch_that_grows_the_arena_writes_rows_into_its_new_slots():
         beyond_old_arena.append(int(slots.max()) >= physical)
         return slots
 
-    planner._allocate = watched_allocate
-    for step in range(3):  # the earlier requests keep their slots
-        _four_new_requests_write_their_rows(worker, step)
-    assert any(beyond_old_arena), "no launch took slots past the arena it started with"
+    queue._allocate = watched_allocate
+    _long_prefills_without_keys(worker, ["a", "b"])
+    assert any(beyond_old_arena), "no refill took slots past the arena it started with"
     worker.close()
 
 
@@ -700,4 +670,22 @@ def test_finished_requests_free_their_slots_before_the_reserve_grows():
         worker.begin_step(meta({}, finished=names))
         assert worker.num_active_requests() == 4  # recorded, not yet applied
     assert worker.store.reserve_slots == reserve
+    worker.close()
+
+
+@pytest.mark.parametrize("destination", ["direct", "staging"])
+def test_a_failed_step_that_took_slots_leaves_the_queue_account_right(destination):
+    """A step whose kernel took new slots but whose process_output fails (here: host counts
+    vLLM never sends) still hands those slots to its request when it leaves flight, so the
+    next commits read the slots later launches took, not the failed step's: rows stay right."""
+    worker = make_worker(destination=destination)
+    run_step(worker, meta({"a": 0}), [("a", 1, 0, 3)])
+    pending, _ = start_step(worker, meta({"a": 3}), [("a", 1, 3, 6)])  # blocks 0-2: 2 new
+    pending.enqueue_cpu_copy(num_sampled=np.ones(1, np.int32), num_rejected=np.ones(1))
+    with pytest.raises(ValueError, match="num_rejected must be a 1-D integer numpy array"):
+        pending.process_output()
+    queue = worker._book._queue
+    assert queue.committed == 3  # one slot in the first step, two in the failed one
+    out = run_step(worker, meta({"b": 0}), [("b", 2, 0, 9)])
+    assert np.array_equal(out["b"].rows, routes(2, 0, 9).astype(np.uint8))
     worker.close()

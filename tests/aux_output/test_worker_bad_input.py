@@ -15,7 +15,7 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from test_worker import SIZES, K, L, hashes, make_worker, meta, routes, run_step
+from test_worker import SIZES, K, L, batch_of, hashes, make_worker, meta, routes, run_step
 
 from r3capture.aux_output.call_checks import checked_emit_starts
 from r3capture.aux_output.sizing import WorkerSizing
@@ -345,7 +345,7 @@ def test_a_batch_naming_a_request_whose_teardown_is_recorded_is_refused():
         w.begin_step(meta({}, finished=["b"]))
         w.begin_step(meta({"a": 6}))
     with pytest.raises(KeyError, match="'b'"):
-        worker.prepare_output(SimpleNamespace(**_batch_fields()))
+        worker.prepare_output(batch_of(worker, **_batch_fields()))
     assert _same_outputs(_second_step(worker), _second_step(twin))
 
 
@@ -381,6 +381,14 @@ BATCH_CORRUPTIONS = {
         np.array([0, 1]),
         torch.tensor([0, 9, 1, 9], dtype=torch.int32)[::2],
     ],
+    # MRV2's request indices: missing, not a tensor, floats, strided, too few.
+    "idx_mapping": [
+        None,
+        np.array([2]),
+        torch.tensor([2.0]),
+        torch.tensor([2, 9, 2, 9])[::2],
+        torch.zeros(0, dtype=torch.int64),
+    ],
     # A request twice; one request more than max_num_seqs (distinct ids, and twice).
     "req_ids": [["b", "b"], ["b"] + [f"x{i}" for i in range(SIZES["max_num_seqs"])], ["b"] * 5],
 }
@@ -399,6 +407,8 @@ def test_malformed_input_batch_is_named_and_changes_nothing(field, value):
     if field == "req_ids" and len(value) > 1:
         fields["query_start_loc_np"] = np.arange(len(value) + 1, dtype=np.int32)
         fields["num_computed_tokens_np"] = np.full(len(value), 3, np.int32)
+    if field not in ("idx_mapping", "req_ids"):
+        fields = vars(batch_of(worker, **fields))
     with pytest.raises(ValueError) as info:
         worker.prepare_output(SimpleNamespace(**fields))
     message = str(info.value)
@@ -426,8 +436,8 @@ def test_malformed_device_rejected_counts_are_named_and_change_nothing(value):
     _first_step(worker), _first_step(twin)
     worker.begin_step(meta({"b": 3}))
     worker.set_step_num_rejected(value)
-    with pytest.raises(GatherPackArgumentError, match="^gather_pack: num_rejected ") as info:
-        worker.prepare_output(SimpleNamespace(**_batch_fields()))
+    with pytest.raises(GatherPackArgumentError, match="^gather_alloc: num_rejected ") as info:
+        worker.prepare_output(batch_of(worker, **_batch_fields()))
     assert info.value.argument == "num_rejected"
     # The counts were for that call only, and the refused call left nothing in flight.
     _assert_b_runs_as_on_the_twin(worker, twin)
@@ -441,7 +451,7 @@ def _assert_b_runs_as_on_the_twin(worker, twin) -> None:
         if w is twin:
             w.begin_step(meta({"b": 3}))
         w.capture_buffer[:1] = torch.from_numpy(routes(2, 3, 1))
-        pending = w.prepare_output(SimpleNamespace(**_batch_fields()))
+        pending = w.prepare_output(batch_of(w, **_batch_fields()))
         pending.enqueue_cpu_copy(np.ones(1, np.int32), np.zeros(1, np.int32))
         outputs.append(pending.process_output())
     assert _same_outputs(*outputs)
@@ -469,7 +479,7 @@ def test_malformed_host_counts_fail_the_step_like_any_failed_commit(which, value
     for w in (worker, twin):
         w.begin_step(meta({"b": 3}))
         w.capture_buffer[:1] = torch.from_numpy(routes(2, 3, 1))
-        pending = w.prepare_output(SimpleNamespace(**_batch_fields()))
+        pending = w.prepare_output(batch_of(w, **_batch_fields()))
         counts = dict(num_sampled=np.ones(1, np.int32), num_rejected=np.full(1, 5, np.int32))
         if w is worker:
             counts = dict(num_sampled=np.ones(1, np.int32), num_rejected=np.zeros(1, np.int32))
@@ -503,13 +513,14 @@ def test_results_of_a_step_whose_copy_was_not_started_are_refused():
     worker = make_worker()
     _first_step(worker)
     worker.begin_step(meta({"b": 3}))
-    pending = worker.prepare_output(SimpleNamespace(**_batch_fields()))
+    pending = worker.prepare_output(batch_of(worker, **_batch_fields()))
     with pytest.raises(AssertionError, match="CPU copy was not enqueued"):
         worker.device_side.host_results(pending.launched)
     pending.enqueue_cpu_copy(np.ones(1, np.int32), np.zeros(1, np.int32))
     step_info, staged = worker.device_side.host_results(pending.launched)
-    assert step_info.shape == (1, 3) and staged is None
-    assert tuple(step_info[0]) == (3, 1, 0)  # start 3, one row written, status OK
+    assert step_info.shape == (1, 4) and staged is None
+    # start 3, one row written, status OK; block 0 already had its slot
+    assert tuple(step_info[0]) == (3, 1, 0, 0)
     assert pending.process_output()["b"].token_start == 3
 
 

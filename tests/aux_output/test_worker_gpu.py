@@ -16,16 +16,15 @@ pytestmark = pytest.mark.gpu
 @pytest.mark.parametrize("destination", ["direct", "staging"])
 @pytest.mark.parametrize("scenario", ["async_spec", "multi_turn", "chunked_prefill", "eviction"])
 def test_cuda_worker_matches_the_cpu_reference(scenario, destination, ring, monkeypatch):
-    from r3capture.aux_output import slot_planner
+    from r3capture.aux_output import sizing
     from r3capture.kernels import can_write_host_directly
 
     if destination == "direct" and not can_write_host_directly("cuda"):
         pytest.skip("this GPU cannot write pinned host memory directly")
     if ring == "narrowest":
-        # A one-token lookahead and room for these traces' few drafts: the device ring is
-        # as narrow as its bound allows, and long requests wrap it.
-        monkeypatch.setattr(slot_planner, "LOOKAHEAD_TOKENS", 1)
-        monkeypatch.setattr(slot_planner, "REATTACH_TOKENS", 3)
+        # Room for these traces' few drafts only: the device ring is as narrow as its bound
+        # allows, and long requests wrap it.
+        monkeypatch.setattr(sizing, "REATTACH_TOKENS", 3)
     trace = make_trace(scenario, seed=1)
     cpu = run_trace(trace, lambda sizes: make_r3capture_worker(sizes, kernel_impl="reference"))
 

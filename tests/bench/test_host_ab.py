@@ -48,7 +48,10 @@ def test_a_second_copy_loads_beside_the_installed_package(copied_tree):
     assert worker is not before.get("r3capture.aux_output.worker")
     # The copy's own modules, not the installed ones, behind its imports.
     assert worker.RequestBook is copy["r3capture.aux_output.request_book"].RequestBook
-    assert Path(copy["r3capture.kernels.reference"].__file__).is_relative_to(copied_tree)
+    # The kernel's CPU emulation, which the stand-in wraps: the copy's own too.
+    reference = copy["r3capture.kernels.alloc_reference"]
+    assert Path(reference.__file__).is_relative_to(copied_tree)
+    assert reference is not before["r3capture.kernels.alloc_reference"]
 
 
 def test_each_replay_runs_its_own_version(copied_tree, monkeypatch):
@@ -87,6 +90,25 @@ def test_each_replay_runs_its_own_version(copied_tree, monkeypatch):
 
         monkeypatch.setattr(copy_worker, "process_output", drops_an_output)
         with pytest.raises(RuntimeError, match="copy did not reproduce"):
+            compare((copy, tree), {"t": recording}, rounds=1)
+    finally:
+        copy.close()
+        tree.close()
+    assert _package_modules() == installed
+
+
+def test_a_version_whose_kernel_the_stand_in_misses_stops_the_run(copied_tree):
+    """A version whose launches the stand-in does not see (as a base whose worker launched
+    another kernel would be) would have its kernel's CPU emulation counted as host work:
+    the run stops, naming it, rather than report a ratio."""
+    recording = record_trace(make_trace("spec_decode", seed=0))
+    installed = _package_modules()
+    copy = Version("copy", load_package(copied_tree))
+    tree = Version("tree", installed)
+    try:
+        with copy.installed():
+            copy.stand_in.__exit__(None, None, None)  # the kernel runs unwrapped
+        with pytest.raises(RuntimeError, match="copy: no stand-in launch"):
             compare((copy, tree), {"t": recording}, rounds=1)
     finally:
         copy.close()

@@ -16,7 +16,7 @@ from bench import stand_ins
 from bench.host_step_families import FAMILIES
 from bench.host_step_replay import CALLS, KINDS, replay, step_kinds
 from bench.stand_ins import FreeParts, KernelStandIn, SnapshotStandIn, kernel_binding
-from r3capture.aux_output import device_side, request_book, slot_planner, worker
+from r3capture.aux_output import request_book, worker
 from sim import make_trace, run_trace, vllm_scheduler
 from sim.recording import PREPARE, Recording, record_trace
 
@@ -49,6 +49,53 @@ def test_replay_reproduces_the_simulator(scenario, tmp_path):
             assert times.background.sum() > 0  # the store writer's CPU time was read
 
 
+def test_recorded_request_indices_are_the_simulators_and_the_replay_hands_them_back():
+    """The request indices (MRV2's ``idx_mapping``) the simulator gave each batch are
+    recorded and every replayed batch carries them again, on the host and as an int64
+    tensor; the trace gives one finished request's index to a new one while its step is in
+    flight, and both connectors still reproduce the outputs."""
+    import torch
+
+    from bench.host_step_replay import _build_inputs
+    from sim.recording import vllm_metadata_types
+    from sim.workers import WorkerHandle, make_vllm_worker
+
+    handed: list[list[int]] = []
+
+    def factory(sizes):
+        inner = make_vllm_worker(sizes)
+
+        def prepare(batch, num_rejected):
+            assert torch.equal(batch.idx_mapping, torch.from_numpy(batch.idx_mapping_np))
+            handed.append(batch.idx_mapping_np.tolist())
+            return inner.prepare_output(batch, num_rejected)
+
+        return WorkerHandle("indices", inner.worker, inner.capture_buffer, prepare, lambda: 0)
+
+    trace = make_trace("finish_in_flight", seed=3)
+    recording = record_trace(trace, worker_factory=factory)
+    assert recording.error is None and "engine_error" not in recording.info
+    calls = {e[1]: e[2] for e in recording.events if e[0] == PREPARE}
+    assert [calls[step].idx_mapping.tolist() for step in sorted(calls)] == handed
+    # Some index serves two requests over the trace.
+    owners: dict[int, set[str]] = {}
+    for call in calls.values():
+        for req_id, index in zip(call.req_ids, call.idx_mapping.tolist()):
+            owners.setdefault(index, set()).add(req_id)
+    assert max(len(ids) for ids in owners.values()) > 1
+    batches = _build_inputs(recording, vllm_metadata_types()).batches
+    assert sorted(batches) == sorted(calls)
+    for step, batch in batches.items():
+        assert batch.idx_mapping_np.tolist() == calls[step].idx_mapping.tolist()
+        assert batch.idx_mapping.dtype == torch.int64
+        assert batch.idx_mapping.tolist() == calls[step].idx_mapping.tolist()
+    for provider in PROVIDERS:
+        with KernelStandIn() as exclusion:
+            times = replay(recording, provider, exclusion=exclusion)
+        assert times.error is None, times.error
+        assert times.digests == recording.digests, provider
+
+
 def test_replay_reports_a_broken_connector_as_different_digests(monkeypatch):
     """A connector whose rows are wrong must not match the recording (the ratio gate)."""
     from vllm.distributed.aux_output_connector import worker as vllm_worker
@@ -76,51 +123,60 @@ def _slow(function, slow_ns):
     return slow
 
 
+def test_kernel_stand_in_binds_the_kernel_the_worker_launches():
+    """The stand-in wraps the CPU emulation of the kernel r3capture's worker launches
+    (``GatherAllocLaunch``'s torch reference), not that of another kernel."""
+    from r3capture.kernels import alloc_reference
+
+    module, attr = kernel_binding()
+    assert module is alloc_reference
+    assert getattr(module, attr) is alloc_reference.gather_alloc_reference_checked
+
+
 def test_kernel_stand_in_excludes_the_device_work(monkeypatch):
-    """A deliberately slow kernel and slot-ring upload (50 ms of CPU per call) show up in
-    r3capture's prepare_output without the stand-in and not with it."""
+    """A deliberately slow kernel (50 ms of CPU per launch) shows up in r3capture's
+    prepare_output without the stand-in and not with it; one launch per forward step."""
     recording = record_trace(make_trace("spec_decode", seed=0))
     slow_ns = 50_000_000
     module, attr = kernel_binding()
-    slow_kernel = _slow(getattr(module, attr), slow_ns)
+    launched = []
+    slow = _slow(getattr(module, attr), slow_ns)
+
+    def slow_kernel(*args, **kwargs):
+        launched.append(1)
+        return slow(*args, **kwargs)
+
     monkeypatch.setattr(module, attr, slow_kernel)
-    uploads = []
-    slow_upload = _slow(device_side.device_upload, slow_ns)
-    monkeypatch.setattr(
-        device_side, "device_upload", lambda *a: uploads.append(a[3] is not None) or slow_upload(*a)
-    )
     forward = [e[1] for e in recording.events if e[0] == PREPARE]
     prepare = CALLS.index("prepare_output")
 
     plain = replay(recording, "r3capture")
     assert plain.digests == recording.digests
     assert (plain.calls[prepare, forward, 1] >= slow_ns).all()
-    assert uploads and any(uploads), "the trace never changed a ring entry"
+    assert len(launched) == len(forward)
 
-    uploads.clear()
     with KernelStandIn() as exclusion:
         excluded = replay(recording, "r3capture", exclusion=exclusion)
         assert getattr(module, attr) is not slow_kernel
     assert getattr(module, attr) is slow_kernel
     assert excluded.digests == recording.digests
     assert excluded.launches == len(forward)
-    assert exclusion.upload_ops == len(uploads) + sum(uploads)
-    assert excluded.excluded_cpu_ns >= slow_ns * (len(forward) + len(uploads))
+    assert len(launched) == 2 * len(forward)  # the stand-in still runs the kernel
+    assert excluded.excluded_cpu_ns >= slow_ns * len(forward)
     main = excluded.calls[:3, :, :].sum(axis=0)  # [steps, (wall, cpu)]
     assert (main[:, 1] < slow_ns // 5).all(), main[:, 1].max()
     assert np.median(main[:, 0]) < slow_ns // 5
 
 
 def test_free_parts_take_their_whole_time_out_of_the_calls(monkeypatch):
-    """A what-if run: slot planning and the input checks made slow (5 ms of CPU per call)
-    show in every main-thread call that runs them without ``FreeParts`` and in none with it;
-    the outputs stay the simulator's and every wrapped name is restored afterwards. The host
-    counts' check runs in ``process_output`` (the output thread), not in the main thread's
+    """A what-if run: the input checks made slow (5 ms of CPU per call) show in every
+    main-thread call that runs them without ``FreeParts`` and in none with it; the outputs
+    stay the simulator's and every wrapped name is restored afterwards. The host counts'
+    check runs in ``process_output`` (the output thread), not in the main thread's
     ``enqueue_cpu_copy``, and is not one of the main thread's input checks."""
     recording = record_trace(make_trace("spec_decode", seed=0))
     slow_ns = 5_000_000
     slowed = [
-        (slot_planner.SlotPlanner, "take_slots"),
         (worker, "checked_emit_starts"),
         (request_book, "checked_batch_arrays"),
         (worker, "check_host_counts"),
@@ -133,7 +189,7 @@ def test_free_parts_take_their_whole_time_out_of_the_calls(monkeypatch):
 
     with KernelStandIn() as exclusion:
         plain = replay(recording, "r3capture", exclusion=exclusion)
-        with FreeParts(exclusion, ["slot-planning", "input-checks"]):
+        with FreeParts(exclusion, ["input-checks"]):
             free = replay(recording, "r3capture", exclusion=exclusion)
     assert [getattr(owner, attr) for owner, attr in slowed] == slow_functions
     assert plain.digests == free.digests == recording.digests
@@ -144,18 +200,20 @@ def test_free_parts_take_their_whole_time_out_of_the_calls(monkeypatch):
     main = free.calls[:3, :, 1].sum(axis=0)
     assert (main < slow_ns // 5).all(), main.max()
     assert (free.calls[process, forward, 1] >= 2 * slow_ns).all()
-    assert free.excluded_cpu_ns >= 3 * slow_ns * len(forward)
+    assert free.excluded_cpu_ns >= 2 * slow_ns * len(forward)
 
 
 def test_free_parts_refuses_an_unknown_part(capsys):
-    with KernelStandIn() as exclusion, pytest.raises(ValueError, match="slot-taking"):
-        FreeParts(exclusion, ["slot-taking"])
+    # slot-planning named host work that no longer exists (the kernel takes the slots).
+    for gone in ("slot-taking", "slot-planning"):
+        with KernelStandIn() as exclusion, pytest.raises(ValueError, match=gone):
+            FreeParts(exclusion, [gone])
     from bench.host_step_bench import main
 
     with pytest.raises(SystemExit) as exited:
-        main(["--free", "slot-taking", "--families", "decode-1"])
+        main(["--free", "slot-planning", "--families", "decode-1"])
     assert exited.value.code == 2
-    assert "slot-taking" in capsys.readouterr().err
+    assert "slot-planning" in capsys.readouterr().err
 
 
 def test_models_beyond_the_headline_two_are_accepted_and_unknown_ones_refused(capsys):
@@ -277,12 +335,10 @@ def test_a_what_if_figure_says_so_in_its_title():
         ("decode-8", "Kimi-K2", 2): {"pairs": {"main": (None, ours), "output": (None, ours)}}
     }
     measured = _figure(summaries)._suptitle.get_text()
-    what_if = _figure(summaries, ["slot-planning", "input-checks"])._suptitle.get_text()
+    what_if = _figure(summaries, ["input-checks"])._suptitle.get_text()
     assert "what-if" not in measured
     assert what_if.startswith(measured)
-    assert what_if.endswith(
-        "what-if: r3capture with slot-planning and input-checks counted as free"
-    )
+    assert what_if.endswith("what-if: r3capture with input-checks counted as free")
 
 
 def test_the_figure_draws_a_bar_per_model_it_was_given():

@@ -82,8 +82,9 @@ def test_failing_request_writes_nothing(case: Case) -> None:
 
 
 def test_statuses_are_the_contract_codes() -> None:
-    assert [int(s) for s in Status] == [0, 1, 2, 3]
-    assert [s.name for s in Status] == ["OK", "BAD_REJECTED", "BAD_BLOCK", "BAD_ROWS"]
+    assert [int(s) for s in Status] == [0, 1, 2, 3, 4, 5]
+    names = ["OK", "BAD_REJECTED", "BAD_BLOCK", "BAD_ROWS", "BAD_INDEX", "NO_STOCK"]
+    assert [s.name for s in Status] == names
 
 
 def test_info_rows_past_num_reqs_untouched() -> None:

@@ -227,7 +227,7 @@ def test_factory_sizing_follows_vllm():
 
 def test_factory_refuses_more_drafts_than_the_device_window_has_room_for():
     from r3capture.aux_output.factory import worker_sizing
-    from r3capture.aux_output.slot_planner import REATTACH_TOKENS
+    from r3capture.aux_output.sizing import REATTACH_TOKENS
 
     config = types.SimpleNamespace(
         aux_output_config=types.SimpleNamespace(max_bytes=None),
