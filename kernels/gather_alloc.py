@@ -506,6 +506,11 @@ class GatherAllocLaunch:
                 ]
                 self._step_slots = tuple(names.index(name) for name in _STEP_ARGS)
 
+    @property
+    def step_info(self) -> torch.Tensor:
+        """The ``[>= R, 4]`` int32 tensor each launch writes its results to."""
+        return self._args["step_info"]
+
     def check_step(
         self,
         query_start_loc: torch.Tensor,

@@ -16,13 +16,13 @@ import sys
 def main(model: str, prompt: list[int], max_tokens: int, speculative_config: str) -> None:
     from vllm import LLM, SamplingParams
 
-    from r3capture.kernels import GatherPackLaunch
+    from r3capture.kernels import GatherAllocLaunch
 
     launches = []
-    launch = GatherPackLaunch.launch_checked
+    launch = GatherAllocLaunch.launch_checked
 
-    def recording_launch(self, shape, query_start_loc, positions, num_rejected):
-        launch(self, shape, query_start_loc, positions, num_rejected)
+    def recording_launch(self, shape, query_start_loc, positions, index, num_rejected, fresh):
+        launch(self, shape, query_start_loc, positions, index, num_rejected, fresh)
         num_reqs = shape.num_reqs
         step_info = self.step_info[:num_reqs]
         launches.append(
@@ -35,7 +35,7 @@ def main(model: str, prompt: list[int], max_tokens: int, speculative_config: str
         )
 
     # The worker checks a step's arguments first (check_step), then launches them checked.
-    GatherPackLaunch.launch_checked = recording_launch
+    GatherAllocLaunch.launch_checked = recording_launch
     llm = LLM(
         model=model,
         dtype="float32",
