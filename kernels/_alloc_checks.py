@@ -177,7 +177,72 @@ def check_alloc_step_args(
     queue_tail: object,
 ) -> AllocShape:
     """Validate one launch's arguments; ``num_reqs`` None means ``len(query_start_loc) - 1``
-    and ``num_rows`` None every capture row."""
+    and ``num_rows`` None every capture row.
+
+    A launch is checked with one expression (the main thread runs this every step); only a
+    call it refuses goes through every check in turn, which names the argument at fault and
+    accepts what is valid but not of the exact types the expression expects."""
+    q, p, i, r, f = query_start_loc, positions, request_index, num_rejected, fresh
+    device = static.device
+    if (
+        type(q) is torch.Tensor
+        and type(p) is torch.Tensor
+        and type(i) is torch.Tensor
+        and type(num_reqs) is int
+        and type(num_rows) is int
+        and type(launch) is int
+        and type(queue_tail) is int
+        and q.dim() == 1
+        and p.dim() == 1
+        and i.dim() == 1
+        and q.dtype in INDEX_DTYPES
+        and p.dtype in INDEX_DTYPES
+        and i.dtype in INDEX_DTYPES
+        and 0 <= num_reqs < q.shape[0]
+        and num_reqs <= static.max_requests
+        and num_reqs <= i.shape[0]
+        and 0 <= num_rows <= static.capture_rows
+        and num_rows <= p.shape[0]
+        and (not static.rows_layout or num_rows <= static.dest_rows)
+        and 1 <= launch < LAUNCH_LIMIT
+        and queue_tail >= 0
+        and q.is_contiguous()
+        and p.is_contiguous()
+        and i.is_contiguous()
+        and q.device == device
+        and p.device == device
+        and i.device == device
+        and (
+            r is None
+            or (
+                type(r) is torch.Tensor
+                and r.dim() == 1
+                and r.dtype in INDEX_DTYPES
+                and num_reqs <= r.shape[0]
+                and r.is_contiguous()
+                and r.device == device
+            )
+        )
+        and f is None
+    ):
+        return AllocShape(num_reqs, num_rows, launch, queue_tail)
+    return _check_one_by_one(static, q, p, i, r, f, num_reqs, num_rows, launch, queue_tail)
+
+
+def _check_one_by_one(
+    static: AllocStatic,
+    query_start_loc: object,
+    positions: object,
+    request_index: object,
+    num_rejected: object,
+    fresh: object,
+    num_reqs: object,
+    num_rows: object,
+    launch: object,
+    queue_tail: object,
+) -> AllocShape:
+    """Every check of a launch's arguments in turn (signature order): raises the error naming
+    the first argument at fault, or returns the launch's shape."""
     device = static.device
     qsl = _tensor("query_start_loc", query_start_loc, 1, INDEX_DTYPES)
     if qsl.shape[0] == 0:

@@ -415,3 +415,27 @@ def test_malformed_calls_are_refused_by_name_before_any_write(bad, impl):
     for key, before in outputs.items():
         if args[key].shape == before.shape:
             assert torch.equal(args[key], before), key
+
+
+class _TaggedTensor(torch.Tensor):
+    """A tensor subclass, as a framework wrapper might hand over."""
+
+
+@pytest.mark.parametrize("impl", ["triton", "reference"])
+def test_valid_arguments_of_other_types_take_the_checks_one_by_one_and_launch(impl):
+    """The step check's one expression wants exact types; a tensor subclass, an int subclass
+    or fresh flags go through every check in turn and launch like the usual call."""
+    usual, unusual = _valid_call(), _valid_call()
+    for args in (usual, unusual):
+        args["queue"][:4] = torch.tensor([3, 1, 2, 0])
+        args["queue_tail"] = 4
+    unusual["positions"] = unusual["positions"].as_subclass(_TaggedTensor)
+    unusual["num_reqs"] = type("Count", (int,), {})(1)
+    unusual["fresh"] = torch.tensor([False])
+    extra = dict(impl="triton") if impl == "triton" else {}
+    call = gather_alloc if impl == "triton" else gather_alloc_reference
+    call(**usual, **extra)
+    call(**unusual, **extra)
+    for name in ("ring", "records", "heads", "dest", "step_info"):
+        assert torch.equal(usual[name], unusual[name]), name
+    assert usual["step_info"][0].tolist() == [0, 2, Status.OK, 1]
