@@ -1,9 +1,10 @@
 """Torch reference for ``gather_alloc``: the test oracle, slot for slot.
 
 Same arguments, statuses, state updates and writes as ``r3capture.kernels.gather_alloc``
-(its docstring has the layouts), written as a loop over the step's requests in batch order,
-the order in which the kernel's prefix sums hand out queue entries. It reads everything on
-the host.
+(its docstring has the layouts), as vector operations over the step's requests, their
+blocks and their rows; queue entries go out in batch order, as the kernel's prefix sums
+hand them out. It reads what the kernel reads on the host (a CPU fallback that
+synchronizes with the device).
 """
 
 from __future__ import annotations
@@ -27,21 +28,9 @@ from r3capture.kernels._common import (
     STATUS_OK,
 )
 
+_CPU = torch.device("cpu")
 _HI_MASK = (1 << RECORD_HI_BITS) - 1
 _SLOT_MASK = (1 << 32) - 1
-
-
-def latest_hi(records: list[int], launch: int) -> tuple[int, int]:
-    """``(hi, record to overwrite)`` of one request index's two records before ``launch``:
-    the newer record tagged below ``launch`` holds ``hi`` (-1 with none), the other is the
-    one this launch may overwrite."""
-    tags = [r >> RECORD_HI_BITS for r in records]
-    valid = [tag < launch for tag in tags]
-    if valid[0] and (not valid[1] or tags[0] >= tags[1]):
-        return (records[0] & _HI_MASK) - 1, 1
-    if valid[1]:
-        return (records[1] & _HI_MASK) - 1, 0
-    return -1, 0
 
 
 def gather_alloc_reference(
@@ -84,7 +73,8 @@ def gather_alloc_reference(
 
 
 def gather_alloc_reference_checked(args: dict, static: AllocStatic, shape: AllocShape) -> None:
-    """The reference on arguments the checks have already validated."""
+    """The reference on arguments the checks have already validated: vector operations over
+    the step's requests, their blocks and their rows, in the kernel's order of decisions."""
     R = shape.num_reqs
     if R == 0:
         return
@@ -93,115 +83,109 @@ def gather_alloc_reference_checked(args: dict, static: AllocStatic, shape: Alloc
         static.num_slots,
     )  # fmt: skip
     launch = shape.launch
+    ring, records, queue, heads = args["ring"], args["records"], args["queue"], args["heads"]
+    capture, dest = args["capture"], args["dest"]
 
-    def host(t: torch.Tensor, n: int) -> list[int]:
-        return t[:n].to("cpu", torch.int64).tolist()
+    def host(t: torch.Tensor | None, n: int) -> torch.Tensor:
+        if t is None:
+            return torch.zeros(n, dtype=torch.int64)
+        return t[:n].to(_CPU, torch.int64)
 
     qsl = host(args["query_start_loc"], R + 1)
-    rejected = host(args["num_rejected"], R) if args["num_rejected"] is not None else [0] * R
+    rejected = host(args["num_rejected"], R)
     index = host(args["request_index"], R)
-    fresh = [0] * R if args["fresh"] is None else host(args["fresh"], R)
-    pos_all = args["positions"][: shape.row_limit].to("cpu", torch.int64)
-    ring, records, queue = args["ring"], args["records"], args["queue"]
-    heads = args["heads"]
+    fresh = host(args["fresh"], R) != 0
     head = int(heads[launch % 2])
     available = shape.queue_tail - head
-    qsl_sane = qsl[0] >= 0 and all(b >= a for a, b in zip(qsl, qsl[1:]))
 
-    # Pass 1, as every program of the kernel does: each request's new blocks and its offset.
-    plans = []
-    offset = 0
-    for r in range(R):
-        q0, q1 = qsl[r], qsl[r + 1]
-        n = q1 - q0
-        accepted = n - rejected[r]
-        bad_rows = not qsl_sane or q1 > shape.row_limit
-        start = int(pos_all[q0]) if not bad_rows and n > 0 else -1
-        bad_rejected = not bad_rows and not 0 <= rejected[r] <= n
-        idx = index[r]
-        bad_index = not bad_rows and not bad_rejected and not 0 <= idx < N
-        is_fresh = fresh[r] != 0
-        hi, overwrite = -1, 0
-        if 0 <= idx < N and not is_fresh:
-            hi, overwrite = latest_hi(host(records[idx], 2), launch)
-        needs = not (bad_rows or bad_rejected or bad_index) and accepted > 0
-        first = max(start, 0) // B
-        last = (max(start, 0) + accepted - 1) // B
-        bad_range = needs and (
-            start < 0
-            or last - first >= D
-            or last >= BLOCK_LIMIT
-            or (first <= hi and first < hi - D + 1)
-        )
-        new_first = max(first, hi + 1)
-        new = max(0, last - new_first + 1) if needs and not bad_range else 0
-        no_stock = new > 0 and offset + new > available
-        plans.append(
-            dict(q0=q0, n=n, accepted=accepted, start=start, idx=idx, fresh=is_fresh, hi=hi,
-                 overwrite=overwrite, needs=needs, first=first, last=last, new_first=new_first,
-                 new=new, offset=offset, bad_rows=bad_rows, bad_rejected=bad_rejected,
-                 bad_index=bad_index, bad_range=bad_range, no_stock=no_stock)
-        )  # fmt: skip
-        offset += new
+    # Everything about each request that needs no slot (the kernel's _request_plan).
+    q0, q1 = qsl[:-1], qsl[1:]
+    num_sched = q1 - q0
+    accepted = num_sched - rejected
+    sane = bool(qsl[0] >= 0) and bool((num_sched >= 0).all())
+    bad_rows = torch.tensor(not sane) | (q1 > shape.row_limit)
+    readable = ~bad_rows & (num_sched > 0)
+    start = torch.full((R,), -1, dtype=torch.int64)
+    positions = args["positions"][: shape.row_limit].to(_CPU, torch.int64)
+    start[readable] = positions[q0[readable]]
+    bad_rejected = ~bad_rows & ((rejected < 0) | (rejected > num_sched))
+    index_ok = (index >= 0) & (index < N)
+    bad_index = ~bad_rows & ~bad_rejected & ~index_ok
+    read_records = index_ok & ~fresh
+    rec = torch.zeros((R, 2), dtype=torch.int64)
+    rec[read_records] = records[index[read_records].to(records.device)].to(_CPU, torch.int64)
+    tags, his = rec >> RECORD_HI_BITS, (rec & _HI_MASK) - 1
+    valid = read_records[:, None] & (tags < launch)
+    use0 = valid[:, 0] & (~valid[:, 1] | (tags[:, 0] >= tags[:, 1]))
+    hi = torch.where(use0, his[:, 0], torch.where(valid[:, 1], his[:, 1], -1))
+    overwrite = torch.where(use0, 1, 0)
+    needs = ~bad_rows & ~bad_rejected & ~bad_index & (accepted > 0)
+    safe = start.clamp(min=0)
+    first = torch.div(safe, B, rounding_mode="floor")
+    last = torch.div(safe + accepted - 1, B, rounding_mode="floor")
+    bad_range = needs & (
+        (start < 0)
+        | (last - first >= D)
+        | (last >= BLOCK_LIMIT)
+        | ((first <= hi) & (first < hi - D + 1))
+    )
+    new_first = torch.maximum(first, hi + 1)
+    new = torch.where(needs & ~bad_range, (last - new_first + 1).clamp(min=0), 0)
+    # Queue entries in batch order: an exclusive prefix sum, as every program computes it.
+    offset = torch.cumsum(new, 0) - new
+    no_stock = (new > 0) & (offset + new > available)
 
-    # Pass 2: slots, statuses, writes.
-    consumed_total = 0
-    info = []
-    for p in plans:
-        slots = {}
-        bad_slot = False
-        if p["needs"] and not (p["bad_range"] or p["no_stock"]):
-            for b in range(p["first"], p["last"] + 1):
-                if b < p["new_first"]:
-                    entry = int(ring[p["idx"], b % D])
-                    slot = entry & _SLOT_MASK
-                    ok = entry >> 32 == b and 0 <= slot < S
-                else:
-                    slot = int(queue[(head + p["offset"] + b - p["new_first"]) % Q])
-                    ok = 0 <= slot < S
-                bad_slot |= not ok
-                slots[b] = slot
-        status = (
-            STATUS_BAD_ROWS if p["bad_rows"]
-            else STATUS_BAD_REJECTED if p["bad_rejected"]
-            else STATUS_BAD_INDEX if p["bad_index"]
-            else STATUS_BAD_BLOCK if p["bad_range"]
-            else STATUS_NO_STOCK if p["no_stock"]
-            else STATUS_BAD_BLOCK if bad_slot
-            else STATUS_OK
-        )  # fmt: skip
-        consumed = 0 if p["no_stock"] else p["new"]
-        consumed_total += consumed
-        info.append((p["start"], p["accepted"] if status == STATUS_OK else -1, status, consumed))
-        if status == STATUS_OK and p["accepted"] > 0:
-            _write_rows(args, static, p, slots)
-            for b in range(p["new_first"], p["last"] + 1):
-                ring[p["idx"], b % D] = (b << 32) | slots[b]
-        new_hi = None
-        if status == STATUS_OK and p["new"] > 0:
-            new_hi = p["last"]
-        elif p["fresh"] and 0 <= p["idx"] < N:
-            new_hi = p["hi"]  # -1: the index's earlier owner's blocks are gone
-        if new_hi is not None:
-            records[p["idx"], p["overwrite"]] = (launch << RECORD_HI_BITS) | (new_hi + 1)
-    heads[(launch + 1) % 2] = head + consumed_total
-    step_info = args["step_info"]
-    step_info[:R] = torch.tensor(info, dtype=torch.int32).to(step_info.device)
+    # Every block of the requests that get this far, with the slot each would use.
+    check = needs & ~bad_range & ~no_stock
+    counts = torch.where(check, last - first + 1, 0)
+    req = torch.repeat_interleave(torch.arange(R), counts)
+    block = torch.arange(req.numel()) - (torch.cumsum(counts, 0) - counts)[req] + first[req]
+    old = block < new_first[req]
+    entry = torch.full_like(block, -1)
+    entry[old] = ring[index[req][old].to(ring.device), (block[old] % D).to(ring.device)].to(_CPU)
+    where = (head + offset[req] + block - new_first[req]) % Q
+    queued = queue.to(_CPU, torch.int64)[where]
+    slot = torch.where(old, entry & _SLOT_MASK, queued)
+    bad = (old & ((entry >> 32) != block)) | (slot < 0) | (slot >= S)
+    bad_slot = torch.zeros(R, dtype=torch.int64).index_add_(0, req, bad.long()) > 0
 
+    status = torch.full((R,), STATUS_OK, dtype=torch.int64)
+    for mask, code in (
+        (bad_slot, STATUS_BAD_BLOCK), (no_stock, STATUS_NO_STOCK), (bad_range, STATUS_BAD_BLOCK),
+        (bad_index, STATUS_BAD_INDEX), (bad_rejected, STATUS_BAD_REJECTED),
+        (bad_rows, STATUS_BAD_ROWS),
+    ):  # fmt: skip
+        status[mask] = code  # the last assignment is the first failing check
+    ok = status == STATUS_OK
+    taken = torch.where(no_stock, 0, new)
 
-def _write_rows(args: dict, static: AllocStatic, plan: dict, slots: dict[int, int]) -> None:
-    """Request ``plan``'s accepted rows, cast, into its slots (or staging rows)."""
-    B = static.hash_block
-    capture, dest = args["capture"], args["dest"]
-    q0, accepted, start = plan["q0"], plan["accepted"], plan["start"]
-    rows = capture[q0 : q0 + accepted].to(dest.device).to(dest.dtype)
+    # Rows of OK requests, each into its block's slot (or its staging row).
+    rows_of = torch.where(ok, accepted, 0)
+    row_req = torch.repeat_interleave(torch.arange(R), rows_of)
+    i = torch.arange(row_req.numel()) - (torch.cumsum(rows_of, 0) - rows_of)[row_req]
+    source = q0[row_req] + i
+    values = capture[source.to(capture.device)].to(dest.device).to(dest.dtype)
     view = dest.view(torch.int16) if dest.dtype == torch.uint16 else dest
-    rows = rows.view(torch.int16) if dest.dtype == torch.uint16 else rows
+    values = values.view(torch.int16) if dest.dtype == torch.uint16 else values
     if static.rows_layout:
-        view[q0 : q0 + accepted] = rows
-        return
-    positions = torch.arange(start, start + accepted)
-    first = start // B
-    block_slots = torch.tensor([slots[b] for b in range(first, (start + accepted - 1) // B + 1)])
-    index = (block_slots[positions // B - first].to(dest.device), (positions % B).to(dest.device))
-    view[index] = rows
+        view[source.to(dest.device)] = values
+    else:
+        position = start[row_req] + i
+        # The block's place among its request's checked blocks, then its slot.
+        first_entry = torch.cumsum(counts, 0) - counts
+        at = first_entry[row_req] + torch.div(position, B, rounding_mode="floor") - first[row_req]
+        view[slot[at].to(dest.device), (position % B).to(dest.device)] = values
+
+    # New blocks of OK requests into the ring; records of grown and fresh requests.
+    new_block = ok[req] & ~old
+    ring_index = (index[req][new_block].to(ring.device), (block[new_block] % D).to(ring.device))
+    ring[ring_index] = ((block[new_block] << 32) | slot[new_block]).to(ring.device)
+    grown = ok & (new > 0)
+    write_record = index_ok & (grown | fresh)
+    value = (launch << RECORD_HI_BITS) | (torch.where(grown, last, hi) + 1)
+    records[index[write_record].to(records.device), overwrite[write_record].to(records.device)] = (
+        value[write_record].to(records.device)
+    )
+    heads[(launch + 1) % 2] = head + int(taken.sum())
+    info = torch.stack([start, torch.where(ok, accepted, -1), status, taken], dim=1)
+    args["step_info"][:R] = info.to(torch.int32).to(args["step_info"].device)
