@@ -21,6 +21,8 @@ import numpy as np
 
 from r3capture.store import BlockStore
 
+_NO_SLOTS = np.empty(0, np.int64)
+
 
 class SlotQueue:
     """Free store slots for the kernel, in ``queue`` (int32 numpy view of the device's queue).
@@ -69,6 +71,8 @@ class SlotQueue:
         array ``[R]``, in batch order); returns those slots (int64), request by request."""
         self._in_flight.pop(0)
         total = int(taken.sum())
+        if not total:
+            return _NO_SLOTS  # most decode steps open no block
         first = self.committed % len(self._queue)
         end = first + total
         if end <= len(self._queue):
