@@ -415,6 +415,15 @@ def _gather_alloc_kernel(
         tl.store(p_dst, b_rows.to(dest_ptr.dtype.element_ty), mask=m_tile)
 
 
+def _check_triton_place(capture: torch.Tensor) -> None:
+    """The Triton kernel runs on a CUDA capture, or under the interpreter."""
+    if not capture.is_cuda and not _interpreting():
+        raise ValueError(
+            "gather_alloc: impl='triton' needs a CUDA capture or TRITON_INTERPRET=1 "
+            f"(capture is on {capture.device}); use impl='reference' or 'auto'"
+        )
+
+
 # The kernel arguments that change from launch to launch, in the order launch_checked
 # passes them.
 _STEP_ARGS = (
@@ -459,11 +468,8 @@ class GatherAllocLaunch:
         self._use_triton = impl == "triton" or (
             impl == "auto" and (capture.is_cuda or _interpreting())
         )
-        if self._use_triton and not capture.is_cuda and not _interpreting():
-            raise ValueError(
-                "gather_alloc: impl='triton' needs a CUDA capture or TRITON_INTERPRET=1 "
-                f"(capture is on {capture.device}); use impl='reference' or 'auto'"
-            )
+        if self._use_triton:
+            _check_triton_place(capture)
         if not self._use_triton:
             # The kernel code never depends on its oracle: imported only when chosen.
             self._reference = importlib.import_module("r3capture.kernels.alloc_reference")

@@ -193,3 +193,103 @@ def test_an_unknown_triton_launches_every_step_through_its_jit(tmp_path) -> None
     dtype combinations included) goes through Triton's JIT and reaches the driver."""
     report = _run_on_the_no_gpu_driver(_UNKNOWN_TRITON_SCRIPT, tmp_path)
     assert report == {"steps": 5, "jit_runs": 5, "driver_launches": 5, "direct": False}
+
+
+_ALLOC_SCRIPT = r"""
+import importlib
+import json
+import torch
+import triton
+from bench.no_gpu_driver import no_gpu_driver
+
+alloc = importlib.import_module("r3capture.kernels.gather_alloc")
+jit_runs = []
+jit_run = type(alloc._gather_alloc_kernel).run
+def counted_run(self, *args, **kwargs):
+    jit_runs.append(1)
+    return jit_run(self, *args, **kwargs)
+type(alloc._gather_alloc_kernel).run = counted_run
+
+static_address = {}
+def stand_in_address(tensor):
+    static_address[tensor.data_ptr()] = tensor
+    return tensor.data_ptr()
+alloc.kernel_address = stand_in_address
+alloc._check_triton_place = lambda capture: None  # nothing runs on the no-GPU driver
+
+def same_value(x, y):
+    if hasattr(x, "data") and hasattr(x, "extras"):  # launch metadata: made anew per launch
+        return type(x) is type(y) and x.data == y.data and x.extras == y.extras
+    if isinstance(x, int) and torch.is_tensor(y):
+        return static_address.get(x) is y
+    return x is y or (not torch.is_tensor(x) and x == y)
+
+def same(a, b):
+    return len(a) == len(b) and all(same_value(x, y) for x, y in zip(a, b))
+
+report = {"steps": 0, "same_call": 0, "jit_runs": 0, "keys": 0}
+with no_gpu_driver(90, record=True) as driver:
+    launch = alloc.GatherAllocLaunch(
+        torch.zeros((512, 48, 8), dtype=torch.int32),
+        torch.full((64, 40), -1, dtype=torch.int64),
+        torch.zeros((64, 2), dtype=torch.int64),
+        torch.zeros(256, dtype=torch.int32),
+        torch.zeros(2, dtype=torch.int64),
+        torch.zeros((300, 16, 48, 8), dtype=torch.uint8),
+        torch.zeros((64, 4), dtype=torch.int32),
+        impl="triton",
+    )
+    serial = 0
+    for num_reqs in (1, 5, 16):
+        for rejected_dtype in (None, torch.int32):
+            for fresh in (False, True):
+                for tail in (7, 2**31 + 7):  # an i64 scalar is another variant
+                    serial += 1
+                    qsl = torch.arange(num_reqs + 1, dtype=torch.int32)
+                    positions = torch.zeros(512, dtype=torch.int64)
+                    index = torch.arange(num_reqs, dtype=torch.int64)
+                    rejected = None
+                    if rejected_dtype is not None:
+                        rejected = torch.zeros(num_reqs, dtype=rejected_dtype)
+                    flags = torch.ones(num_reqs, dtype=torch.uint8) if fresh else None
+                    shape = launch.check_step(
+                        qsl, positions, index, rejected, flags, launch=serial,
+                        queue_tail=tail, num_rows=num_reqs,
+                    )
+                    before = len(jit_runs)
+                    launch.launch_checked(shape, qsl, positions, index, rejected, flags)
+                    through_jit = len(jit_runs) - before
+                    ours = driver.launches.pop()
+                    unused = launch._args["heads"]
+                    step_args = (
+                        qsl, positions, index, rejected if rejected is not None else unused,
+                        flags if flags is not None else unused, shape.num_reqs,
+                        shape.row_limit, (shape.num_reqs - 1).bit_length(), shape.launch,
+                        shape.queue_tail, rejected is not None, flags is not None,
+                    )
+                    grid = (max(-(-shape.row_limit // launch._tiles["BLOCK_ROWS"]),
+                                -(-shape.num_reqs // launch._tiles["BLOCK_REQS"])),)
+                    alloc._gather_alloc_kernel[grid](
+                        **launch._kernel_args, **dict(zip(alloc._STEP_ARGS, step_args))
+                    )
+                    theirs = driver.launches.pop()
+                    if through_jit:
+                        report["same_call"] += same(ours, theirs)
+                    elif tuple(ours[6:9]) == (None, None, None):
+                        report["same_call"] += same(ours[:6] + ours[9:], theirs[:6] + theirs[9:])
+                    report["steps"] += 1
+    report["jit_runs"] = len(jit_runs) - report["steps"]  # the reference calls above are JIT
+    report["keys"] = len(launch._variants)
+print(json.dumps(report))
+"""
+
+
+@pytest.mark.slow
+def test_gather_allocs_direct_launch_matches_tritons_jit(tmp_path) -> None:
+    """The slot-taking kernel's launcher also launches compiled variants directly after the
+    first of each per-step type combination (dtypes, flags, an int32 or int64 scalar), and
+    the driver receives the call the JIT makes."""
+    report = _run_on_the_no_gpu_driver(_ALLOC_SCRIPT, tmp_path)
+    steps = 3 * 2 * 2 * 2
+    # Variants: rejected (none, int32) x fresh (none, flags) x tail (i32, i64).
+    assert report == {"steps": steps, "same_call": steps, "jit_runs": 8, "keys": 8}
