@@ -83,11 +83,6 @@ class SlotQueue:
         self.committed += total
         return slots
 
-    def forget_launch(self) -> None:
-        """The oldest launch in flight leaves without a commit (its step failed)."""
-        if self._in_flight:
-            self._in_flight.pop(0)
-
     def refill(self, stock: int | None = None) -> None:
         """Put free slots in the queue until ``stock`` (default: the configured stock)
         entries lie ahead of the committed head."""

@@ -73,12 +73,3 @@ def test_a_short_reserve_applies_recorded_teardown_first_then_grows():
     queue, _, store = _queue(size=32, stock=20, reserve=16, teardown=lambda: calls.append(1))
     queue.refill()  # 20 slots from a reserve of 16: teardown freed none, so it grows
     assert calls == [1] and store.reserve_slots >= 20 and queue.num_queued == 20
-
-
-def test_a_launch_that_leaves_without_a_commit_is_forgotten():
-    queue, _, _ = _queue()
-    queue.refill()
-    queue.reserve(bound=4)
-    queue.forget_launch()
-    # With the failed launch gone, a new one of the whole stock needs no refill.
-    assert queue.reserve(bound=4) == 4
