@@ -237,15 +237,6 @@ class RequestTable:
     def _window_slots(self, rows: np.ndarray, firsts: np.ndarray, counts: np.ndarray) -> np.ndarray:
         """Slots (int64) of blocks ``firsts[i] .. firsts[i] + counts[i] - 1`` of each
         ``rows[i]`` (int64 arrays; the blocks must lie in the row's ring), row by row."""
-        if len(rows) <= FEW_ROWS:
-            # A publication or teardown of a few requests: one or two ring slices each, over
-            # Python ints, instead of ~10 numpy calls (bench/RESULTS.md, fast paths).
-            width, ring = self.ring_width, self.ring
-            parts = [_NO_SLOTS]
-            for row, first, count in zip(rows.tolist(), firsts.tolist(), counts.tolist()):
-                for column, n in _wrapped_columns(first, count, width):
-                    parts.append(ring[row, column : column + n])
-            return np.concatenate(parts).astype(np.int64, copy=False)
         row_of, block = _block_runs(rows, firsts, counts)
         return self.ring[row_of, block % self.ring_width].astype(np.int64)
 
@@ -258,8 +249,6 @@ class RequestTable:
 
 
 _NO_SLOTS = np.empty(0, np.int64)
-# Up to this many rows, ``_window_slots`` slices each row's ring instead of vectorizing.
-FEW_ROWS = 4
 
 
 def _ring_overflow(needed: int, width: int) -> OverflowError:
@@ -267,15 +256,6 @@ def _ring_overflow(needed: int, width: int) -> OverflowError:
     return OverflowError(
         f"a request needs {needed} unbound hash blocks, more than the slot ring holds ({width})"
     )
-
-
-def _wrapped_columns(first: int, count: int, width: int) -> list[tuple[int, int]]:
-    """Blocks ``first .. first + count - 1`` (``count <= width``) of a ring ``width`` wide, as
-    ``(first column, number of columns)`` runs: one, or two where the blocks wrap."""
-    column = first % width
-    if column + count <= width:
-        return [(column, count)] if count else []
-    return [(column, width - column), (0, column + count - width)]
 
 
 def _block_runs(

@@ -4,8 +4,6 @@ Three readers of the arena:
 
 * ``emit``: each emitting request's new rows (they lie in its unbound blocks, found through
   the slot ring), copied with one gather into one array and handed out as per-request views;
-  the arena rows to gather are worked out per request for a few requests, with vector
-  operations for more;
 * ``materialize``: a prefix-cache hit's rows from before its capture start: whole stored
   blocks looked up by key (one gather), then the request's open block;
 * ``place_staged``: in the device-staging destination, the host copy of a step's rows is
@@ -28,10 +26,8 @@ from r3capture.aux_output.step_commit import CommitPlan, StepLayout
 from r3capture.aux_output.types import AuxRequestOutput
 from r3capture.store import BlockStore
 
-# Steps emitting for at most this many requests, and this many rows, work out the arena
-# rows over Python ints. Below the commit's PER_REQUEST_MAX: the loop's ring reads cost
-# ~0.5 us per request in the replay, so it stops paying beyond ~8 requests; a long emit
-# (a finished prefill chunk) is one ring read per block (bench/RESULTS.md, fast paths).
+# Second form, kept for small decode steps: working out the arena rows over Python ints for up
+# to this many requests and rows cuts process_output by a fifth at one request (host_ab).
 EMIT_PER_REQUEST_MAX = 8
 EMIT_PER_REQUEST_ROWS = 64
 
@@ -71,20 +67,15 @@ class RowReader:
         emitted = self._gather(index)
         ids = layout.request_ids
         names = ids if len(direct) == len(ids) else [ids[i] for i in direct.tolist()]
-        if counts.count(counts[0]) == len(counts):
-            # Equal counts: one reshape splits the array (measured in bench/RESULTS.md).
-            views = list(emitted.reshape(len(counts), counts[0], *self._shape))
-        else:
-            ends = list(itertools.accumulate(counts))
-            views = [emitted[end - count : end] for end, count in zip(ends, counts)]
+        ends = list(itertools.accumulate(counts))
+        views = [emitted[end - count : end] for end, count in zip(ends, counts)]
         return dict(zip(names, map(AuxRequestOutput, starts, views)))
 
     def _emitted_rows_per_request(
         self, rows: np.ndarray, plan: CommitPlan
     ) -> tuple[np.ndarray, list[int], list[int]] | None:
         """Arena rows (int64) of the ``plan.direct`` requests' emitted rows, their counts and
-        emit starts, worked out over Python ints: for a few short emits this costs less than
-        numpy's per-call overhead (``bench/RESULTS.md``). None for more than
+        emit starts, worked out over Python ints. None for more than
         ``EMIT_PER_REQUEST_ROWS`` rows."""
         B = self._block_size
         width = self._table.ring_width
@@ -196,7 +187,8 @@ class RowReader:
         arena = self._store.arena_np
         rows = arena.reshape(-1, self._row_nbytes)
         if len(index) * self._row_nbytes < self._pool.min_nbytes:
-            # Small: numpy's take has the lower fixed cost, and malloc serves mapped memory.
+            # Second form, kept: numpy's take has the lower fixed cost for a few rows (a
+            # seventh of process_output at one request, host_ab); malloc serves mapped memory.
             taken = np.take(rows, index, axis=0)
             return taken.view(self._dtype).reshape(len(index), *self._shape)
         out = self._pool.empty((len(index), *self._shape), self._dtype)

@@ -47,7 +47,6 @@ _KNOB_HOMES = {
     "REATTACH_TOKENS": "r3capture.aux_output.sizing",
     "PER_REQUEST_MAX": "r3capture.aux_output.step_commit",
     "EMIT_PER_REQUEST_MAX": "r3capture.aux_output.row_reader",
-    "FEW_ROWS": "r3capture.aux_output.request_table",
 }
 
 
@@ -98,7 +97,6 @@ def draw_case(seed: int) -> SweepCase:
         "REATTACH_TOKENS": max(min_reattach, r.choice([0, 3, 8, 256])),
         "PER_REQUEST_MAX": r.choice([0, 1, 32, 1000]),
         "EMIT_PER_REQUEST_MAX": r.choice([0, 1, 8, 1000]),
-        "FEW_ROWS": r.choice([0, 1, 4, 1000]),
     }
     return SweepCase(
         seed=seed,

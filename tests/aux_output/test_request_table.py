@@ -7,7 +7,6 @@ from copy import deepcopy
 import numpy as np
 import pytest
 
-from r3capture.aux_output import request_table
 from r3capture.aux_output.request_table import NO_CURSOR, RequestTable
 from r3capture.store import KEY_WORDS, KeyObjects, key_objects, rows_of_key_objects
 
@@ -323,10 +322,10 @@ def test_add_many_takes_fresh_rows_and_grows_past_double():
 
 
 @pytest.mark.parametrize("seed", range(100))
-def test_window_slots_per_request_and_vectorized_agree(seed, monkeypatch):
-    """Both mechanisms behind ``unbound_slots`` and ``take_leading`` return the same slots in
-    the same order and leave the same bases, on random rings that wrap, hand blocks over and
-    hold none."""
+def test_window_slots_follow_each_ring(seed):
+    """``unbound_slots`` and ``take_leading`` return each row's blocks in block order, read
+    from its ring column ``block % width`` (rings that wrap, hand blocks over, hold none),
+    and ``take_leading`` advances only the chosen rows' bases."""
     rng = np.random.default_rng(seed)
     width = int(rng.integers(2, 9))
     table = RequestTable(ring_width=width, capacity=4)
@@ -347,15 +346,28 @@ def test_window_slots_per_request_and_vectorized_agree(seed, monkeypatch):
     chosen = np.asarray(rng.permutation(rows)[: int(rng.integers(1, 7))], np.int64)
     held = np.maximum(table.end[chosen] - table.base[chosen], 0)
     handed = np.asarray([int(rng.integers(0, h + 1)) for h in held.tolist()], np.int64)
-    results = []
-    for few in (0, 100):
-        monkeypatch.setattr(request_table, "FEW_ROWS", few)
-        copy = deepcopy(table)
-        unbound = copy.unbound_slots(chosen).tolist()
-        leading = copy.take_leading(chosen, handed).tolist()
-        results.append((unbound, leading, copy.base.tolist(), copy.unbound_slots(chosen).tolist()))
-    assert results[0] == results[1]
-    unbound, leading, _, rest = results[0]
+
+    def expected(row: int, first: int, count: int) -> list[int]:
+        return [int(table.ring[row, block % width]) for block in range(first, first + count)]
+
+    bases = table.base.copy()
+    want_unbound = [
+        slot
+        for row, count in zip(chosen.tolist(), held.tolist())
+        for slot in expected(row, int(bases[row]), count)
+    ]
+    want_leading = [
+        slot
+        for row, count in zip(chosen.tolist(), handed.tolist())
+        for slot in expected(row, int(bases[row]), count)
+    ]
+    unbound = table.unbound_slots(chosen).tolist()
+    leading = table.take_leading(chosen, handed).tolist()
+    rest = table.unbound_slots(chosen).tolist()
+    assert unbound == want_unbound and leading == want_leading
+    moved = bases.copy()
+    moved[chosen] += handed
+    assert table.base.tolist() == moved.tolist()
     assert len(unbound) == held.sum() and len(leading) == handed.sum()
     # Row by row, the handed-over blocks are the leading part of what was unbound.
     assert sorted(leading + rest) == sorted(unbound)
