@@ -82,8 +82,7 @@ class KeyWorkQueue:
         for table rows ``hash_rows`` in ``generation``, its pins in ``pin_generation``, the
         requests ``finishing``. With a reset's ``reset_releases`` the work is applied now,
         after all recorded before it. A step without key work (a decode step where no
-        request completes a block) records nothing: building its ``StepKeyWork`` was part of
-        the main-thread cost ``bench/RESULTS.md`` measures in ``host_ab/begin_step``."""
+        request completes a block) records nothing, keeping that cost off the main thread."""
         retained, released = metadata.retained_block_hashes, metadata.released_block_hashes
         if reset_releases is None and not (
             hash_rows or finishing or _has_hashes(retained) or _has_hashes(released)

@@ -2,13 +2,13 @@
 
 A prefix hit or a finished long prefill hands the scheduler megabytes of rows per step. Written
 into fresh memory, those bytes cost a page fault per 4 KiB on first touch whenever the
-allocator has handed the pages back to the OS: replayed alone, Kimi-K2's multi-turn step
-(32 outputs of ~2 MB) took 29.5 ms with fresh arrays and 12.4 ms with this pool
-(``bench/RESULTS.md``). The pool keeps such buffers and hands them out again, but only once
-nothing refers to them any more: every array it returns is a view of a pool buffer, so while
-any view (or anything built on one: a slice, ``torch.from_numpy``, a ``memoryview``) is alive
-the buffer's reference count stays above the pool's own and the buffer is not reused. Outputs
-therefore never alias memory that can be rewritten before their consumer is done with them.
+allocator has handed the pages back to the OS; for a step of dozens of megabyte-sized outputs
+(Kimi-K2's multi-turn) that more than doubled the step's host time. The pool keeps such buffers
+and hands them out again, but only once nothing refers to them any more: every array it returns
+is a view of a pool buffer, so while any view (or anything built on one: a slice,
+``torch.from_numpy``, a ``memoryview``) is alive the buffer's reference count stays above the
+pool's own and the buffer is not reused. Outputs therefore never alias memory that can be
+rewritten before their consumer is done with them.
 
 Small arrays (below ``min_nbytes``) come from ``np.empty``: the allocator's free lists already
 serve them from mapped memory.

@@ -496,8 +496,8 @@ class GatherPackLaunch:
             return
         capture = self._args["capture"]
         tiles = self._tiles
-        # Ceiling divisions in plain ints: triton.cdiv is a constexpr function that costs
-        # ~1.5 µs a call on the host (bench.run triton_launch).
+        # Ceiling divisions in plain ints: triton.cdiv is a constexpr function, slow to call
+        # on the host (bench.run triton_launch).
         grid = (
             max(
                 -(-shape.row_limit // tiles["BLOCK_ROWS"]),
@@ -517,8 +517,8 @@ class GatherPackLaunch:
             num_rejected is not None,
         )
         if capture.is_cuda and self._current_device() != self._device_index:
-            # Entering and leaving the device context costs 3-5 µs of host CPU a launch on the
-            # H200 (bench/RESULTS.md "On a GPU"); vLLM's threads already run on it.
+            # Entering and leaving the device context is measurable host CPU per launch on a
+            # GPU; vLLM's threads already run on the capture buffer's device.
             with torch.cuda.device(capture.device):
                 self._launch_triton(grid, step_args)
         else:
@@ -529,8 +529,8 @@ class GatherPackLaunch:
         per-step dtype combination goes through Triton's JIT, which binds and specializes
         every argument, compiles or finds the variant, and launches it; later ones launch
         that variant directly, with the same arguments (the step-independent tensors as
-        their kernel addresses) on the current stream, skipping ~11 µs of host CPU per
-        launch (``bench.run triton_launch``; the JIT's choice cannot differ, as nothing
+        their kernel addresses) on the current stream, skipping most of the JIT's host CPU
+        per launch (``bench.run triton_launch``; the JIT's choice cannot differ, as nothing
         per-step specializes the kernel; a Triton knob that changes how it compiles, such as
         ``debug``, is read by each variant's first launch only)."""
         variants = self._variants
@@ -562,7 +562,7 @@ def _launch_variant(variant: object, grid_0: int, stream: int, args: list) -> No
     """Launch compiled ``variant`` on ``(grid_0, 1, 1)`` programs: what Triton's runner
     (``CompiledKernel.__getitem__``) does, minus the launch metadata and hook calls when no
     launch hook is set. The runner builds that metadata on every launch and its C launcher
-    calls both hook chains, empty or not (bench/RESULTS.md "On a GPU", runs 4-8)."""
+    calls both hook chains, empty or not (measured on a GPU by ``bench.run gpu_parts``)."""
     runtime = triton.knobs.runtime
     enter, leave = runtime.launch_enter_hook, runtime.launch_exit_hook
     metadata = None

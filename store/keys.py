@@ -14,13 +14,12 @@ vLLM-compatible API, error messages and introspection).
 
 Inside the store a key is one immutable 40-byte ``bytes`` object, its row's bytes, so the
 tables are plain dicts. ``KeyObjects`` is a batch of them, made only by ``key_objects`` from
-rows. A caller that keeps one batch's objects and hands the same objects back later (the
-worker keeps each request's keys from the step their hashes arrive to the request's
-release) saves the store a new object per key per call, and lets its dict lookups match by
-identity and a cached hash instead of comparing 40 bytes in memory the call has not touched
-(``bench/RESULTS.md``, full store). ``as_key_objects`` is the one conversion every public
-store method applies to the keys it is given: key objects pass through, rows and strings
-are converted.
+rows. A caller that keeps one batch's objects and hands the same objects back later (the worker
+keeps each request's keys from the step their hashes arrive to the request's release) saves the
+store a new object per key per call, and lets its dict lookups match by identity and a cached
+hash instead of comparing 40 bytes in memory the call has not touched (``bench.run host_step``,
+the full-store family). ``as_key_objects`` is the one conversion every public store method
+applies to the keys it is given: key objects pass through, rows and strings are converted.
 """
 
 from __future__ import annotations

@@ -18,14 +18,13 @@ Batch keys that survive are returned as an ``Admission``; the caller gives them 
 ``assign`` (after growing the arena when every key is referenced and more are stored than
 ``num_slots``).
 
-Keys are key objects (``keys.py``: one 40-byte ``bytes`` per key row); a table holds the
-first object it met for a key. Mechanism, measured against a vectorized (numpy)
-open-addressing index: every table is a dict (recency an ``OrderedDict``) driven through
-``map``/``filter``/set algebra, so the per-key work runs in C at ~0.05-0.1 us a key with a
-fixed cost of a few microseconds a call. The numpy index cost ~150 numpy calls a call: 4-5x
-more for the handful of keys of a decode step, and won only beyond a few hundred keys
-(``bench/RESULTS.md``, store section). Keys are exact: no fingerprints, so no collisions.
-No bytes live here.
+Keys are key objects (``keys.py``: one 40-byte ``bytes`` per key row); a table holds the first
+object it met for a key. Mechanism, measured against a vectorized (numpy) open-addressing
+index: every table is a dict (recency an ``OrderedDict``) driven through ``map``/``filter``/set
+algebra, so the per-key work runs in C with a small fixed cost a call. The numpy index took
+~150 numpy calls a call: several times slower for the handful of keys of a decode step, and
+faster only beyond a few hundred keys (``bench.run store``). Keys are exact: no fingerprints,
+so no collisions. No bytes live here.
 """
 
 from __future__ import annotations
