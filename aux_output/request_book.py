@@ -27,7 +27,14 @@ from r3capture.aux_output.output_pool import OutputPool
 from r3capture.aux_output.publisher import Publisher
 from r3capture.aux_output.request_table import RequestTable
 from r3capture.aux_output.row_reader import RowReader
-from r3capture.aux_output.sizing import WorkerSizing, queue_stock, require_int, ring_widths
+from r3capture.aux_output.sizing import (
+    WorkerSizing,
+    queue_size,
+    queue_stock,
+    require_int,
+    reserve_slots,
+    ring_widths,
+)
 from r3capture.aux_output.slot_queue import SlotQueue
 from r3capture.aux_output.step_commit import StepLayout, check_not_overwritten, commit_step
 from r3capture.aux_output.steps_in_flight import StepsInFlight
@@ -64,14 +71,10 @@ class RequestBook:
         # Set when the store arena is replaced: the device side must attach again before
         # the next launch.
         self._detached = True
-        self._stock = queue_stock(sizing)
         self.store = BlockStore(
             max_bytes=sizing.max_bytes,
             object_nbytes=sizing.block_nbytes,
-            # The queue's stock, plus the blocks a step can touch and each request's open
-            # block for every step in flight (vLLM's staging bound), plus one step of blocks
-            # handed over by begin_step whose store call waits for the output thread.
-            reserve_slots=self._stock + (depth + 1) * sizing.blocks_per_step + sizing.max_num_seqs,
+            reserve_slots=reserve_slots(sizing),
             # The kernel writes the arena through unified addressing: it must be pinned.
             pin_memory=destination == "direct" and device.type == "cuda",
             on_grow=self._on_store_grow,
@@ -102,14 +105,16 @@ class RequestBook:
             block_size=self._block_size,
             max_num_seqs=sizing.max_num_seqs,
             ring_width=self._device_width,
-            # The stock, and room for one more launch's blocks beside it.
-            queue_size=self._stock + sizing.blocks_per_step,
+            queue_size=queue_size(sizing),
             depth=sizing.max_concurrent_batches,
             destination=self.destination,
             kernel_impl=kernel_impl,
         )
         self._queue = SlotQueue(
-            self.device_side.queue_np, self.store, self._stock, self._key_work.apply_teardown
+            self.device_side.queue_np,
+            self.store,
+            queue_stock(sizing),
+            self._key_work.apply_teardown,
         )
         self._queue.refill()
         # Attached now rather than at the first launch: building the launches is one-time
@@ -168,6 +173,15 @@ class RequestBook:
             finishing=finishing,
             reset_releases=reset_releases,
         )
+
+    @property
+    def num_in_flight(self) -> int:
+        """Steps launched and not yet settled."""
+        return len(self._steps)
+
+    def is_in_flight(self, layout: StepLayout) -> bool:
+        """Whether ``layout``'s step was launched and has not settled."""
+        return any(step is layout for step in self._steps.layouts)
 
     @property
     def queued_slots(self) -> int:

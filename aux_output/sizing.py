@@ -156,3 +156,18 @@ def queue_stock(sizing: WorkerSizing) -> int:
     ``blocks_per_step`` blocks, and ``max_concurrent_batches`` launches can be in flight
     before the output thread refills."""
     return sizing.max_concurrent_batches * sizing.blocks_per_step
+
+
+def queue_size(sizing: WorkerSizing) -> int:
+    """Entries of the device's free-slot queue: the stock, and room for one more launch's
+    blocks beside it."""
+    return queue_stock(sizing) + sizing.blocks_per_step
+
+
+def reserve_slots(sizing: WorkerSizing) -> int:
+    """Store slots kept beyond ``max_bytes`` for unbound blocks: the queue's stock, the blocks
+    a step can touch and each request's open block for every step in flight and the one being
+    prepared (vLLM's staging bound), and one step of blocks handed over by ``begin_step``
+    whose store call waits for the output thread."""
+    depth = sizing.max_concurrent_batches
+    return queue_stock(sizing) + (depth + 1) * sizing.blocks_per_step + sizing.max_num_seqs

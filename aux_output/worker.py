@@ -114,7 +114,6 @@ class TritonAuxOutputWorker:
         self._lock = threading.Lock()
         self._step_metadata: AuxOutputConnectorMetadata | None = None
         self._num_rejected_next: torch.Tensor | None = None
-        self._pending: list[PendingStep] = []
         self._book: RequestBook | None = None
         self.device_side: DeviceSide | None = None
         # Set by the factory under pipeline parallelism (``pipeline.PipelineRelay``).
@@ -178,7 +177,8 @@ class TritonAuxOutputWorker:
             if metadata.generation > self._book.generation:
                 # The scheduler resets the prefix cache only with no model output in flight.
                 require(
-                    not self._pending, "auxiliary output generation changed with output in flight"
+                    not self._book.num_in_flight,
+                    "auxiliary output generation changed with output in flight",
                 )
             self._book.begin(metadata, emit_starts)
 
@@ -202,13 +202,11 @@ class TritonAuxOutputWorker:
         with self._lock:
             layout = self._book.layout_of(input_batch)
             require(
-                len(self._pending) < self.sizing.max_concurrent_batches,
+                self._book.num_in_flight < self.sizing.max_concurrent_batches,
                 "auxiliary output step outputs are not consumed in order",
             )
             launched = self._book.launch(layout, input_batch, num_rejected)
-            pending = PendingStep(self, layout, launched)
-            self._pending.append(pending)
-        return pending
+        return PendingStep(self, layout, launched)
 
     def process_output(self, pending: PendingStep) -> dict[str, AuxRequestOutput]:
         """Consume one step after its copy event: outputs per request, blocks published.
@@ -216,6 +214,10 @@ class TritonAuxOutputWorker:
         Teardown that ``begin_step`` deferred for requests in this step happens here.
         """
         with self._lock:
+            require(
+                self._book.is_in_flight(pending.layout),
+                "auxiliary output step was already processed",
+            )
             committed = False
             try:
                 require(pending.enqueued, "auxiliary output CPU copy was not enqueued")
@@ -227,14 +229,12 @@ class TritonAuxOutputWorker:
                 )
                 committed = True
             finally:
-                self._pending.remove(pending)
                 # As in vLLM: a step that failed still leaves flight; teardown waits.
                 self._book.settle(pending.layout, pending.launched, teardown=committed)
             return outputs
 
     def close(self) -> None:
         with self._lock:
-            self._pending.clear()
             if self._book is not None:
                 self._book.close()
 

@@ -54,3 +54,31 @@ def test_for_model_takes_the_row_dtype_of_its_expert_count(num_experts, dtype):
 def test_row_dtype_refuses_a_non_count(bad):
     with pytest.raises((TypeError, ValueError), match="num_experts"):
         row_dtype(bad)
+
+
+def test_derived_sizes_live_here_and_the_worker_uses_them():
+    """The queue and the store reserve are sized in ``sizing.py`` only, and the worker's
+    store and device queue take exactly those sizes."""
+    from r3capture.aux_output.sizing import queue_size, queue_stock, reserve_slots
+    from r3capture.aux_output.worker import TritonAuxOutputWorker
+
+    sizing = WorkerSizing(
+        shape_per_token=(3, 2),
+        dtype=np.uint8,
+        hash_block_size=16,
+        max_num_seqs=256,
+        max_num_batched_tokens=8192,
+        max_concurrent_batches=2,
+        max_bytes=1 << 20,
+    )
+    # A step touches 512 blocks of tokens plus each request's partial first block.
+    assert sizing.blocks_per_step == 768
+    assert queue_stock(sizing) == 2 * 768
+    assert queue_size(sizing) == 3 * 768
+    # The stock, three steps' blocks (two in flight, one being prepared) and an open block
+    # per request.
+    assert reserve_slots(sizing) == 2 * 768 + 3 * 768 + 256
+    worker = TritonAuxOutputWorker(sizing, kernel_impl="reference")
+    assert worker.store.reserve_slots == reserve_slots(sizing)
+    assert len(worker.device_side.queue_np) == queue_size(sizing)
+    worker.close()

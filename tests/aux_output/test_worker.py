@@ -380,6 +380,18 @@ def test_outputs_in_flight_are_bounded():
         worker.prepare_output(batch)
 
 
+def test_a_step_is_processed_once():
+    """The worker's one account of the steps in flight refuses a second ``process_output``
+    of a step, and the step's place in flight is free again after the first."""
+    worker = make_worker(max_concurrent_batches=1)
+    started = start_step(worker, meta({"a": 0}), [("a", 1, 0, 1)])
+    pending = started[0]
+    assert finish_step(started)["a"].rows.shape[0] == 1
+    with pytest.raises(AuxOutputProtocolError, match="already processed"):
+        pending.process_output()
+    assert len(run_step(worker, meta({"a": 1}), [("a", 1, 1, 1)])["a"].rows) == 1
+
+
 def test_warmup_and_non_output_ranks_skip_the_data_plane():
     worker = make_worker()
     batch = batch_of(
