@@ -135,13 +135,12 @@ class KeyWorkQueue:
             key_objects(key_rows_of(work.pins_released, work.pin_generation)),
             *work.releases,
         ]
-        if work.finishing:
-            releases.append(table.release_order([table.index[r] for r in work.finishing]))
         self._publisher.publish(
-            np.asarray(work.rows, np.int64), _joined(retains), _joined(releases)
+            np.asarray(work.rows, np.int64),
+            _joined(retains),
+            _joined(releases),
+            finished=work.finishing,
         )
-        if work.finishing:
-            self._publisher.free(table.remove(work.finishing))
 
 
 def _has_hashes(packed: Any) -> bool:

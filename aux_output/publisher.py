@@ -16,6 +16,8 @@ reads the store flushes first.
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Sequence
+
 import numpy as np
 
 from r3capture.aux_output.request_table import RequestTable
@@ -39,13 +41,26 @@ class Publisher:
         rows: np.ndarray = _NO_ROWS,
         retain_keys: KeyObjects = NO_KEY_OBJECTS,
         release_keys: KeyObjects = NO_KEY_OBJECTS,
+        *,
+        finished: Sequence[str] = (),
+        finished_rows: Sequence[int] | None = None,
     ) -> None:
         """Take every complete, keyed, unbound block of table ``rows`` (int64, distinct) out
         of the table and queue one store call that binds them and applies ``retain_keys``
-        then ``release_keys``."""
+        then ``release_keys``.
+
+        Then the teardown of the requests ``finished`` (at ``finished_rows`` when given, for
+        a row no longer named by its id): every key of theirs is released in the same call,
+        after ``release_keys`` and each request's tail first, as vLLM releases a finished
+        request's blocks; they leave the table and their unbound slots return to the store's
+        reserve. Every teardown goes through here."""
+        table = self._table
+        if finished:
+            if finished_rows is None:
+                finished_rows = [table.index[request_id] for request_id in finished]
+            release_keys = _joined((release_keys, table.release_order(finished_rows)))
         keys, slots = NO_KEY_OBJECTS, _NO_SLOTS
         if rows.size:
-            table = self._table
             # A request without a cursor (-1) gets min(.., -1) - base < 0: nothing ready.
             cursor_blocks = table.cursor[rows] // self._block_size
             ready = np.minimum(table.num_keys[rows], cursor_blocks) - table.base[rows]
@@ -61,6 +76,8 @@ class Publisher:
                 slots = table.take_leading(rows, ready)
         if len(keys) or len(retain_keys) or len(release_keys):
             self._queued.append((keys, slots, retain_keys, release_keys))
+        if finished:
+            self.free(table.remove(finished, finished_rows))
 
     def flush(self) -> None:
         """Apply every queued store call, in the order it was queued."""
@@ -72,3 +89,11 @@ class Publisher:
         """Return unbound slots (int64) of requests that are gone to the store's reserve."""
         if len(slots):
             self._store.free(slots)
+
+
+def _joined(parts: Iterable[KeyObjects]) -> KeyObjects:
+    """``parts`` concatenated in order, empty ones left out."""
+    parts = [part for part in parts if len(part)]
+    if not parts:
+        return NO_KEY_OBJECTS
+    return parts[0] if len(parts) == 1 else join_key_objects(parts)

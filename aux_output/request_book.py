@@ -359,9 +359,8 @@ class RequestBook:
             self._take_new_slots(layout, launched, step_info)
         request_ids, rows = self._steps.settle(layout, teardown=teardown)
         if request_ids:
-            self._publisher.publish(release_keys=self.table.release_order(rows))
+            self._publisher.publish(finished=request_ids, finished_rows=rows)
             self._publisher.flush()
-            self._publisher.free(self.table.remove(request_ids, rows))
 
     def close(self) -> None:
         self.store.close()
