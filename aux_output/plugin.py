@@ -38,6 +38,11 @@ What it installs:
 * **Pipeline parallelism** (every process, supported vLLM): ``VllmConfig``'s routed-experts
   compatibility check runs with PP hidden when ``triton`` is selected, so vLLM's refusal of
   PP > 1 is lifted for ``triton`` only and all its other refusals stay.
+* **Prefill/decode disaggregation** (``--aux-output-pd {off,splice}``, folded into
+  ``additional_config["aux_output_pd"]`` like the backend; ``pd.py``): ``splice`` needs
+  ``triton`` and runs the same check with the P/D KV connectors hidden, so vLLM's refusal of
+  those connectors is lifted and all its other refusals stay; ``off`` (the default) adds
+  nothing.
 
 With ``torch`` (the default) vLLM runs exactly its own code: no ``additional_config`` key is
 added and the wrappers call straight through. On a vLLM outside the supported range only the
@@ -46,6 +51,7 @@ flag and the check are installed, so selecting ``triton`` fails with the support
 
 from __future__ import annotations
 
+import functools
 import importlib.abc
 import logging
 import sys
@@ -53,7 +59,7 @@ from collections.abc import Callable
 from types import ModuleType
 from typing import Any
 
-from r3capture.aux_output import compat, pipeline
+from r3capture.aux_output import compat, pd, pipeline
 
 # A child of vLLM's logger: the plugin runs only inside vLLM, whose handlers and
 # VLLM_LOGGING_LEVEL then apply to its messages too.
@@ -166,6 +172,7 @@ def _patch_engine_args(module: ModuleType) -> None:
     def add_cli_args_with_backend(parser, *args, **kwargs):
         parser = original_add(parser, *args, **kwargs)
         _add_backend_flag(parser)
+        _add_pd_flag(parser)
         return parser
 
     def from_cli_args_with_backend(cls, args, *rest, **kwargs):
@@ -173,11 +180,14 @@ def _patch_engine_args(module: ModuleType) -> None:
         backend = getattr(args, BACKEND_KEY, None)
         if backend is not None:
             engine_args.additional_config = _with_backend(engine_args.additional_config, backend)
+        mode = getattr(args, pd.PD_KEY, None)
+        if mode is not None:
+            engine_args.additional_config = pd.with_pd(engine_args.additional_config, mode)
         return engine_args
 
     def create_engine_config_checked(self, *args, **kwargs):
         vllm_config = create_engine_config(self, *args, **kwargs)
-        check_backend(vllm_config)
+        pd.check_pd(vllm_config, check_backend(vllm_config))
         return vllm_config
 
     for wrapper, original in (
@@ -212,10 +222,32 @@ def _add_backend_flag(parser) -> None:
     )
 
 
-# ---------------------------------------------------------------- pipeline parallelism
+def _add_pd_flag(parser) -> None:
+    if pd.PD_FLAG in parser._option_string_actions:
+        return
+    anchor = parser._option_string_actions.get(_FLAG)
+    group = next((g for g in parser._action_groups if anchor in g._group_actions), parser)
+    group.add_argument(
+        pd.PD_FLAG,
+        choices=pd.PD_MODES,
+        default=None,
+        help=(
+            "Routed experts under prefill/decode disaggregation, from the r3capture plugin. "
+            "'off' (default): vLLM refuses routed experts with P/D KV connectors (NIXL, "
+            "Mooncake, MoRIIO). 'splice': that refusal is lifted; each instance returns the "
+            "rows it computed and the router joins them (r3capture.aux_output.pd.splice). "
+            f"Needs {_FLAG} triton. Same as "
+            f'--additional-config \'{{"{pd.PD_KEY}": "splice"}}\'.'
+        ),
+    )
+
+
+# ------------------------------------------------- pipeline parallelism, P/D connectors
 def _patch_vllm_config(module: ModuleType) -> None:
-    """vLLM refuses routed experts with PP > 1; with ``triton`` its check runs with PP
-    hidden, so every other refusal stays (``pipeline.py`` carries the rows between stages)."""
+    """vLLM refuses routed experts with PP > 1 and with P/D KV connectors. With ``triton``
+    its check runs with PP hidden (``pipeline.py`` carries the rows between stages); with
+    ``--aux-output-pd splice`` (which needs ``triton``) it runs with the P/D connectors
+    hidden (``pd.py``; the router splices the rows). Every other refusal stays."""
     config_cls = getattr(module, compat.CONFIG_CLASS, None)
     original = getattr(config_cls, compat.VERIFY_AUX_OUTPUT_METHOD, None)
     if original is None:
@@ -228,9 +260,13 @@ def _patch_vllm_config(module: ModuleType) -> None:
         return
 
     def verify(self):
-        if pipeline.pipeline_size(self) > 1 and selected_backend(self) == "triton":
-            return pipeline.verify_without_pipeline(original, self)
-        return original(self)
+        backend = selected_backend(self)
+        check = original
+        if pd.check_pd(self, backend) == "splice":
+            check = functools.partial(pd.verify_without_pd_refusal, original)
+        if pipeline.pipeline_size(self) > 1 and backend == "triton":
+            return pipeline.verify_without_pipeline(check, self)
+        return check(self)
 
     _mark_wrapper(verify, original)
     setattr(config_cls, compat.VERIFY_AUX_OUTPUT_METHOD, verify)

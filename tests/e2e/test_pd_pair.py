@@ -1,0 +1,128 @@
+"""Prefill/decode disaggregation with routed experts: two real `vllm serve` on an
+``ExampleConnector`` pair, requests through the reference proxy (demo/pd_proxy.py).
+
+Both servers run ``--enable-return-routed-experts --aux-output-backend triton
+--aux-output-pd splice`` and share a fresh directory for the KV (``ExampleConnector`` ignores
+``kv_role``: both sides save and load, so nothing else may share it). Each is bound to one
+core. Every request's spliced rows must be byte-identical to the rows one instance (the
+prefiller, serving the whole request afterwards) returns, and equal HF transformers' router
+top-k; the decoder must really have loaded the prompt's KV (a 32-token-block-aligned hit).
+"""
+
+from __future__ import annotations
+
+import json
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+import pytest
+
+from demo.pd_proxy import pd_complete
+from demo.scenario import FIRST_TOKEN_ID, complete
+from demo.serve import VLLMServer
+from demo.tiny_model import TINY_CONFIG
+
+pytestmark = pytest.mark.e2e
+
+SHAPE = (TINY_CONFIG["num_hidden_layers"], TINY_CONFIG["num_experts_per_tok"])
+BLOCK = 32
+GREEDY = {"temperature": 0, "ignore_eos": True}
+
+
+def pd_server_args(role: str, shared_dir: str) -> list[str]:
+    kv = {
+        "kv_connector": "ExampleConnector",
+        "kv_role": role,
+        "kv_connector_extra_config": {"shared_storage_path": shared_dir},
+    }
+    return [
+        "--enable-return-routed-experts", "--enable-prompt-tokens-details",
+        "--aux-output-backend", "triton", "--aux-output-pd", "splice",
+        "--kv-transfer-config", json.dumps(kv),
+        "--dtype", "float32", "--enforce-eager", "--skip-tokenizer-init",
+        "--max-model-len", "512", "--block-size", str(BLOCK),
+    ]  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def pd_pair(tiny_model, server_env, log_dir, tmp_path_factory):
+    """(prefiller, decoder), started side by side (one core each) and always stopped."""
+    shared = str(tmp_path_factory.mktemp("pd-kv-shared"))
+    servers = [
+        VLLMServer(
+            tiny_model,
+            pd_server_args(role, shared),
+            env={**server_env, "VLLM_CPU_OMP_THREADS_BIND": core},
+            log_path=log_dir / f"pd-{name}.log",
+        )
+        for name, role, core in (("prefill", "kv_producer", "0"), ("decode", "kv_consumer", "1"))
+    ]
+    try:
+        with ThreadPoolExecutor(2) as pool:
+            for started in [pool.submit(server.start) for server in servers]:
+                started.result()
+        yield tuple(servers)
+    finally:
+        for server in servers:
+            server.stop()
+
+
+def _example_connector_hit(prompt_len: int) -> int:
+    """The tokens the decoder loads: whole blocks of the prompt but its last token. The
+    ``ExampleConnector`` saves the KV of ``(len - 1) // B * B`` tokens but looks up
+    ``(len - 2) // B * B``: the two agree unless ``len % B == 1`` (those prompts miss, so
+    the prompts here avoid such lengths)."""
+    assert prompt_len % BLOCK != 1, "the ExampleConnector never hits such a prompt"
+    return (prompt_len - 2) // BLOCK * BLOCK
+
+
+def _prompt(seed: int, n: int) -> list[int]:
+    rng = np.random.default_rng(seed)
+    return rng.integers(FIRST_TOKEN_ID, TINY_CONFIG["vocab_size"], size=n).tolist()
+
+
+def _through_proxy(pd_pair, prompt: list[int], max_tokens: int):
+    prefiller, decoder = pd_pair
+    return pd_complete(
+        prefiller.base_url, decoder.base_url, prefiller.model, prompt,
+        max_tokens=max_tokens, sampling=GREEDY,
+    )  # fmt: skip
+
+
+def _check_against_single_instance(pd_pair, hf_router, prompt, max_tokens, result):
+    """The spliced rows equal one instance's (the prefiller serving the whole request) and
+    HF's; the decoder loaded the prompt's whole blocks from the prefiller."""
+    prefiller, _ = pd_pair
+    sequence = prompt + result.token_ids
+    assert result.prompt_token_ids == prompt and len(result.token_ids) == max_tokens
+    assert len(result.prefill_rows) == len(prompt)
+    assert len(result.decode_rows) == max_tokens - 1
+    cached = result.decode_usage["prompt_tokens_details"]["cached_tokens"]
+    assert cached == _example_connector_hit(len(prompt)) > 0, result.decode_usage
+
+    rows = result.routed_experts
+    assert rows.dtype == np.uint8 and rows.shape == (len(sequence) - 1, *SHAPE)
+    import openai
+
+    client = openai.OpenAI(base_url=prefiller.base_url + "/v1", api_key="unused", timeout=300)
+    single = complete(client, prefiller.model, "single", prompt, max_tokens)
+    assert single.output == result.token_ids
+    assert single.rows.dtype == rows.dtype and single.rows.shape == rows.shape
+    assert single.rows.tobytes() == rows.tobytes()
+    np.testing.assert_array_equal(rows, hf_router.topk(sequence)[:-1])
+
+
+def test_single_request_spliced_rows_equal_one_instance_and_hf(pd_pair, hf_router):
+    prompt = _prompt(70, 70)
+    result = _through_proxy(pd_pair, prompt, 8)
+    _check_against_single_instance(pd_pair, hf_router, prompt, 8, result)
+
+
+def test_concurrent_requests_spliced_rows_equal_one_instance_and_hf(pd_pair, hf_router):
+    jobs = [(_prompt(100 + n, n), max_tokens) for n, max_tokens in ((40, 6), (66, 10), (100, 4))]
+    with ThreadPoolExecutor(len(jobs)) as pool:
+        results = list(pool.map(lambda job: _through_proxy(pd_pair, *job), jobs))
+    for (prompt, max_tokens), result in zip(jobs, results):
+        _check_against_single_instance(pd_pair, hf_router, prompt, max_tokens, result)
+    prefiller, decoder = pd_pair
+    assert prefiller.alive() and decoder.alive()
