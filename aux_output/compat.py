@@ -113,3 +113,18 @@ def backfill_connector_metadata() -> None:
     for name in METADATA_FIELDS_SINCE_0_33:
         if name not in getattr(cls, "__dataclass_fields__", {}) and not hasattr(cls, name):
             setattr(cls, name, None)
+
+
+# Under ``--aux-output-pd splice`` (pd_scheduler.py): ``Scheduler.__init__(vllm_config, ...)``
+# in SCHEDULER_MODULE builds the scheduler-side aux-output connector as
+# ``self.aux_output_connector`` (None with routed experts off), which the plugin wraps. Only
+# 0.33.x's connector has ``cap_external_hit`` (and ``max_cache_hit``, ``request_loading``); the
+# wrapper then also reads these internals of it: ``_gpu_cached(block_hash)`` (the GPU-cached
+# blocks of a hash, or None), ``_kv_blocks(block_hashes)`` (per KV block: its key and its
+# hash-block hashes), ``_kv_cached`` (keys of retained blocks) and ``_block_size``.
+SCHEDULER_MODULE = "vllm.v1.core.sched.scheduler"
+SCHEDULER_CLASS = "Scheduler"
+SCHEDULER_INIT_METHOD = "__init__"
+SCHEDULER_AUX_CONNECTOR_ATTR = "aux_output_connector"
+CAP_EXTERNAL_HIT_METHOD = "cap_external_hit"
+SCHEDULER_CONNECTOR_INTERNALS = ("_gpu_cached", "_kv_blocks", "_kv_cached", "_block_size")

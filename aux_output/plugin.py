@@ -42,7 +42,9 @@ What it installs:
   ``additional_config["aux_output_pd"]`` like the backend; ``pd.py``): ``splice`` needs
   ``triton`` and runs the same check with the P/D KV connectors hidden, so vLLM's refusal of
   those connectors is lifted and all its other refusals stay; ``off`` (the default) adds
-  nothing.
+  nothing. Under ``splice`` each engine ``Scheduler`` also gets its scheduler-side
+  aux-output connector wrapped (``pd_scheduler.py``), so that a decode-leg request (KV from
+  a prefiller) returns only the rows it computed.
 
 With ``torch`` (the default) vLLM runs exactly its own code: no ``additional_config`` key is
 added and the wrappers call straight through. On a vLLM outside the supported range only the
@@ -94,6 +96,7 @@ def register() -> None:
         return
     _run_after_import(compat.CONFIG_MODULE, _patch_vllm_config)
     _run_after_import(compat.MODEL_RUNNER_MODULE, _patch_model_runner)
+    _run_after_import(compat.SCHEDULER_MODULE, _patch_scheduler)
 
 
 # ---------------------------------------------------------------- backend selection
@@ -276,6 +279,32 @@ def _mark_wrapper(wrapper: Callable, original: Callable) -> None:
     wrapper.__wrapped__ = original
     wrapper.__doc__ = original.__doc__
     setattr(wrapper, _WRAPPED, True)
+
+
+# ---------------------------------------------------------------- P/D: the scheduler side
+def _patch_scheduler(module: ModuleType) -> None:
+    """Under ``--aux-output-pd splice`` (with ``triton``), each ``Scheduler`` gets its
+    aux-output connector wrapped (``pd_scheduler.py``): a decode-leg request returns only the
+    rows it computed. Any other configuration keeps vLLM's connector as it is."""
+    scheduler_cls = getattr(module, compat.SCHEDULER_CLASS, None)
+    original = getattr(scheduler_cls, compat.SCHEDULER_INIT_METHOD, None)
+    if scheduler_cls is None or original is None:
+        raise compat.UnsupportedVLLMError(
+            f"r3capture: {module.__name__} has no {compat.SCHEDULER_CLASS}; this vLLM build "
+            f"({compat.vllm_version()}) is not one r3capture supports"
+        )
+    if getattr(original, _WRAPPED, False):
+        return
+
+    def __init__(self, vllm_config, *args, **kwargs):
+        original(self, vllm_config, *args, **kwargs)
+        if pd.check_pd(vllm_config, selected_backend(vllm_config)) == "splice":
+            from r3capture.aux_output.pd_scheduler import wrap_scheduler_connector
+
+            wrap_scheduler_connector(self)
+
+    _mark_wrapper(__init__, original)
+    setattr(scheduler_cls, compat.SCHEDULER_INIT_METHOD, __init__)
 
 
 # ---------------------------------------------------------------- model runner hooks

@@ -12,13 +12,17 @@ P/D KV connector; each can return only the rows it computed, so the proxy:
    last tokens (NIXL's prefill backoff) and the decoder computes them;
 2. sends the same prompt to the decoder with the caller's ``max_tokens``,
    ``routed_experts_prompt_start=Np`` and the ``kv_transfer_params`` the prefiller
-   answered with (if any), and reads its rows ``[Nd, L, K]`` (those from token ``Np`` on);
+   answered with (``DECODE_LEG_PARAMS`` when it answered none, as the ``ExampleConnector``
+   does: they mark the request as a decode leg), and reads its rows ``[Nd, L, K]`` (those
+   from token ``Np`` on; with ``decode_prompt_start=0``, those from the first token the
+   decoder computed, where a decoder under ``--aux-output-pd splice`` starts its rows);
 3. splices: ``splice(prefill_rows, decode_rows, num_tokens)`` is ``[num_tokens - 1, L, K]``
    (``num_tokens``: the decoder's prompt plus output tokens), the rows one instance
    serving the whole request would return. It refuses, never pads.
 
     python demo/pd_proxy.py --prefill http://P:8100 --decode http://D:8200 --model M \
-        --prompt "Hello" --max-tokens 16 [--kv-transfer nixl] [--out rows.npy]
+        --prompt "Hello" --max-tokens 16 [--kv-transfer nixl] [--decode-prompt-start 0] \
+        [--out rows.npy]
 """
 
 from __future__ import annotations
@@ -49,6 +53,10 @@ NIXL_PREFILL_PARAMS = {
     "remote_port": None,
 }
 KV_TRANSFER_PRESETS = {"none": None, "nixl": NIXL_PREFILL_PARAMS}
+# What the decode request carries when the prefiller answered no kv_transfer_params: it marks
+# the request as a decode leg (its KV comes from a prefiller), so that a decoder under
+# --aux-output-pd splice returns only the rows it computed. The ExampleConnector ignores it.
+DECODE_LEG_PARAMS = {"do_remote_prefill": True}
 # Set by the proxy on each leg; a caller's sampling params must not set them.
 _PROXY_FIELDS = ("model", "prompt", "max_tokens", "stream", "n", "routed_experts_prompt_start",
                  "kv_transfer_params", "return_token_ids")  # fmt: skip
@@ -123,6 +131,7 @@ def pd_complete(
     max_tokens: int,
     sampling: dict[str, Any] | None = None,
     prefill_kv_transfer_params: dict[str, Any] | None = None,
+    decode_prompt_start: int | None = None,
     timeout: float = 300.0,
 ) -> PDResult:
     """Serve one completion through a prefiller and a decoder; return text, tokens and the
@@ -131,8 +140,11 @@ def pd_complete(
     ``prompt``: text or token ids. ``sampling``: other completion fields, passed to both
     servers (``temperature``, ``seed``, ``ignore_eos``, ...; not ``n`` or ``stream``).
     ``prefill_kv_transfer_params``: what the connector needs on the prefill request (None
-    for the ``ExampleConnector``). Raises ``PDProxyError`` when a server fails or omits
-    its rows or token ids, ``ValueError`` (from ``splice``) when the rows do not join.
+    for the ``ExampleConnector``). ``decode_prompt_start``: the decoder's
+    ``routed_experts_prompt_start`` (default: the prefiller's row count ``Np``; ``0`` asks a
+    decoder under ``--aux-output-pd splice`` for every row it computed, and the splice joins
+    by length either way). Raises ``PDProxyError`` when a server fails or omits its rows or
+    token ids, ``ValueError`` (from ``splice``) when the rows do not join.
     """
     sampling = dict(sampling or {})
     clash = sorted(set(sampling) & set(_PROXY_FIELDS))
@@ -140,6 +152,12 @@ def pd_complete(
         raise ValueError(f"sampling must not set {clash}: the proxy sets them on each leg")
     if max_tokens < 1:
         raise ValueError(f"max_tokens must be >= 1, got {max_tokens}")
+    if decode_prompt_start is not None and (
+        isinstance(decode_prompt_start, bool)
+        or not isinstance(decode_prompt_start, int)
+        or decode_prompt_start < 0
+    ):
+        raise ValueError(f"decode_prompt_start must be an int >= 0, got {decode_prompt_start!r}")
     common = {"model": model, "prompt": prompt, "stream": False, "return_token_ids": True}
 
     # 1. Prefill: the prompt's KV (and its rows) only. min_tokens would contradict max_tokens=1.
@@ -155,15 +173,16 @@ def pd_complete(
             "--enable-return-routed-experts?"
         )
 
-    # 2. Decode from where the prefiller's rows end.
+    # 2. Decode from where the prefiller's rows end (or from where the decoder's own begin).
     decode_body = {
         **sampling,
         **common,
         "max_tokens": max_tokens,
-        "routed_experts_prompt_start": len(prefill_rows),
+        "routed_experts_prompt_start": (
+            len(prefill_rows) if decode_prompt_start is None else decode_prompt_start
+        ),
+        "kv_transfer_params": prefill.get("kv_transfer_params") or DECODE_LEG_PARAMS,
     }
-    if prefill.get("kv_transfer_params") is not None:
-        decode_body["kv_transfer_params"] = prefill["kv_transfer_params"]
     decode = post_json(f"{decode_url}/v1/completions", decode_body, timeout)
     choice = _only_choice(decode, "decoder")
     prompt_ids, output_ids = choice.get("prompt_token_ids"), choice.get("token_ids")
@@ -207,6 +226,13 @@ def main(argv: list[str] | None = None) -> int:
         default="none",
         help="prefill-side kv_transfer_params: none (ExampleConnector) or nixl",
     )
+    parser.add_argument(
+        "--decode-prompt-start",
+        type=int,
+        default=None,
+        help="the decoder's routed_experts_prompt_start (default: the prefiller's row count; "
+        "0: every row the decoder computed, with --aux-output-pd splice on the decoder)",
+    )
     parser.add_argument("--out", type=Path, help="write the spliced rows here (.npy)")
     args = parser.parse_args(argv)
     prompt_value = (
@@ -220,6 +246,7 @@ def main(argv: list[str] | None = None) -> int:
         max_tokens=args.max_tokens,
         sampling=json.loads(args.sampling),
         prefill_kv_transfer_params=KV_TRANSFER_PRESETS[args.kv_transfer],
+        decode_prompt_start=args.decode_prompt_start,
     )
     if args.out is not None:
         np.save(args.out, result.routed_experts)

@@ -151,6 +151,35 @@ def test_a_trimmed_prefill_is_completed_by_the_decoder(stand_ins):
     assert result.routed_experts.tobytes() == truth.tobytes()
 
 
+def test_a_prefiller_without_kv_transfer_params_gets_the_decode_leg_marked(stand_ins):
+    """The ExampleConnector's prefiller answers no kv_transfer_params: the decode request
+    carries ``{"do_remote_prefill": true}``, so a decoder under splice knows its KV came from
+    a prefiller; a decoder asked from row 0 answers from its first computed row (64 here),
+    and the splice joins by length."""
+    prompt_ids, output_ids = list(range(3, 73)), [9, 8, 7]
+    num_tokens = len(prompt_ids) + len(output_ids)
+    truth = np.random.default_rng(1).integers(0, 8, (num_tokens - 1, L, K)).astype(np.uint8)
+    prefiller = stand_ins(lambda body: (200, completion(prompt_ids, [9], truth[:70])))
+    decoder = stand_ins(
+        lambda body: (200, completion(prompt_ids, output_ids, truth[max(64, body[
+            "routed_experts_prompt_start"]):]))
+    )  # fmt: skip
+    for start, num_decode in ((None, 2), (0, 8)):
+        result = pd_complete(
+            prefiller.url, decoder.url, "m", prompt_ids, max_tokens=3, decode_prompt_start=start
+        )
+        assert result.routed_experts.tobytes() == truth.tobytes()
+        assert len(result.decode_rows) == num_decode
+    first, second = decoder.bodies
+    assert (
+        first["kv_transfer_params"] == second["kv_transfer_params"] == {"do_remote_prefill": True}
+    )
+    assert (first["routed_experts_prompt_start"], second["routed_experts_prompt_start"]) == (70, 0)
+    for bad in (-1, 1.5, True, "0"):
+        with pytest.raises(ValueError, match="decode_prompt_start must be an int >= 0"):
+            pd_complete(prefiller.url, decoder.url, "m", [3], max_tokens=2, decode_prompt_start=bad)
+
+
 def test_one_output_token_needs_no_decode_rows(stand_ins):
     prompt_ids = list(range(3, 20))
     prefiller, decoder, truth = pair(stand_ins, prompt_ids, [4], decoder_rows=lambda t, s: None)

@@ -7,6 +7,12 @@ Both servers run ``--enable-return-routed-experts --aux-output-backend triton
 core. Every request's spliced rows must be byte-identical to the rows one instance (the
 prefiller, serving the whole request afterwards) returns, and equal HF transformers' router
 top-k; the decoder must really have loaded the prompt's KV (a 32-token-block-aligned hit).
+
+The decoder is asked for its rows from the prefiller's last row (the proxy's default) and
+from row 0: under ``splice`` a decode-leg request (the proxy marks it with
+``kv_transfer_params: {"do_remote_prefill": true}``, which the ``ExampleConnector`` ignores)
+returns only the rows from its first computed token, so it never asks its store for rows of
+KV it loaded, and the engine stays alive.
 """
 
 from __future__ import annotations
@@ -81,24 +87,31 @@ def _prompt(seed: int, n: int) -> list[int]:
     return rng.integers(FIRST_TOKEN_ID, TINY_CONFIG["vocab_size"], size=n).tolist()
 
 
-def _through_proxy(pd_pair, prompt: list[int], max_tokens: int):
+def _through_proxy(pd_pair, prompt: list[int], max_tokens: int, decode_prompt_start=None):
     prefiller, decoder = pd_pair
     return pd_complete(
         prefiller.base_url, decoder.base_url, prefiller.model, prompt,
-        max_tokens=max_tokens, sampling=GREEDY,
+        max_tokens=max_tokens, sampling=GREEDY, decode_prompt_start=decode_prompt_start,
     )  # fmt: skip
 
 
-def _check_against_single_instance(pd_pair, hf_router, prompt, max_tokens, result):
+def _check_against_single_instance(
+    pd_pair, hf_router, prompt, max_tokens, result, decode_prompt_start=None
+):
     """The spliced rows equal one instance's (the prefiller serving the whole request) and
-    HF's; the decoder loaded the prompt's whole blocks from the prefiller."""
+    HF's; the decoder loaded the prompt's whole blocks from the prefiller (or, for a prompt
+    it served before, hit them in its own prefix cache) and returned its rows from
+    ``decode_prompt_start`` (default: the prefiller's last row), or from its first computed
+    token when that is later."""
     prefiller, _ = pd_pair
     sequence = prompt + result.token_ids
+    hit = _example_connector_hit(len(prompt))
     assert result.prompt_token_ids == prompt and len(result.token_ids) == max_tokens
     assert len(result.prefill_rows) == len(prompt)
-    assert len(result.decode_rows) == max_tokens - 1
+    first_row = max(len(prompt) if decode_prompt_start is None else decode_prompt_start, hit)
+    assert len(result.decode_rows) == len(sequence) - 1 - first_row
     cached = result.decode_usage["prompt_tokens_details"]["cached_tokens"]
-    assert cached == _example_connector_hit(len(prompt)) > 0, result.decode_usage
+    assert cached == hit > 0, result.decode_usage
 
     rows = result.routed_experts
     assert rows.dtype == np.uint8 and rows.shape == (len(sequence) - 1, *SHAPE)
@@ -124,5 +137,25 @@ def test_concurrent_requests_spliced_rows_equal_one_instance_and_hf(pd_pair, hf_
         results = list(pool.map(lambda job: _through_proxy(pd_pair, *job), jobs))
     for (prompt, max_tokens), result in zip(jobs, results):
         _check_against_single_instance(pd_pair, hf_router, prompt, max_tokens, result)
+    prefiller, decoder = pd_pair
+    assert prefiller.alive() and decoder.alive()
+
+
+def test_decoder_asked_from_row_0_returns_the_rows_it_computed_and_stays_alive(pd_pair, hf_router):
+    """``routed_experts_prompt_start=0`` on the decoder: rows from the first token it
+    computed (the ``ExampleConnector`` loads 64 of a 70-token prompt, so rows 64 on). The
+    same prompt again hits the loaded KV in the decoder's own prefix cache: still rows from
+    64, never a store lookup of rows it does not hold. Two prompts at once, then both
+    servers are alive."""
+    prompt = _prompt(200, 70)
+    for _ in range(2):
+        result = _through_proxy(pd_pair, prompt, 5, decode_prompt_start=0)
+        assert len(result.decode_rows) == 70 + 5 - 1 - 64
+        _check_against_single_instance(pd_pair, hf_router, prompt, 5, result, 0)
+    jobs = [(_prompt(300 + n, n), max_tokens) for n, max_tokens in ((50, 4), (95, 3))]
+    with ThreadPoolExecutor(len(jobs)) as pool:
+        results = list(pool.map(lambda job: _through_proxy(pd_pair, *job, 0), jobs))
+    for (prompt, max_tokens), result in zip(jobs, results):
+        _check_against_single_instance(pd_pair, hf_router, prompt, max_tokens, result, 0)
     prefiller, decoder = pd_pair
     assert prefiller.alive() and decoder.alive()

