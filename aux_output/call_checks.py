@@ -219,7 +219,7 @@ _BATCH_FIELD_OF = {
 
 
 def input_batch_error(exc: Exception) -> Exception:
-    """The error to raise for a ``GatherPackArgumentError`` from checking a batch's device
+    """The error to raise for a ``KernelArgumentError`` from checking a batch's device
     inputs: one naming the ``input_batch`` field it came from, or ``exc`` itself when the
     argument (``num_rejected``) is not the batch's."""
     field = _BATCH_FIELD_OF.get(getattr(exc, "argument", None))

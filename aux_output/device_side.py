@@ -199,7 +199,7 @@ class DeviceSide:
         launch: int,
         queue_tail: int,
     ) -> AllocShape:
-        """The kernel's checks of one step's device inputs (``GatherPackArgumentError`` names
+        """The kernel's checks of one step's device inputs (``KernelArgumentError`` names
         a bad one), made before anything changes; ``launch`` then repeats none of them."""
         return self._launches[self._next].check_step(
             query_start_loc, positions, request_index, num_rejected, None,

@@ -39,7 +39,7 @@ from r3capture.aux_output.slot_queue import SlotQueue
 from r3capture.aux_output.step_commit import StepLayout, check_not_overwritten, commit_step
 from r3capture.aux_output.steps_in_flight import StepsInFlight
 from r3capture.aux_output.types import AuxOutputConnectorMetadata, AuxRequestOutput
-from r3capture.kernels import GatherPackArgumentError
+from r3capture.kernels import KernelArgumentError
 from r3capture.kernels._alloc_checks import AllocShape
 from r3capture.store import BlockStore
 
@@ -275,7 +275,7 @@ class RequestBook:
                 launch=self._launches + 1,
                 queue_tail=queue_tail,
             )
-        except GatherPackArgumentError as exc:
+        except KernelArgumentError as exc:
             raise input_batch_error(exc) from None
 
     def _attach(self) -> None:

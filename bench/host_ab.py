@@ -17,10 +17,11 @@ outputs (digests) on every replay, or the run stops.
 
 Both versions' GPU work is replaced by the working tree's stand-in (``bench/stand_ins.py``):
 one kernel launch per step, ``GatherAllocLaunch``'s, whose torch reference is excluded. A
-base from before the kernel took its slots itself (its worker launches ``gather_pack``
-after planning slots and uploading them) has device work that stand-in does not cover: no
-A/B against it is fair, and the run stops when a version's replay made no stand-in launch
-(or, before ``kernels/alloc_reference.py`` existed, when the stand-in finds no kernel).
+base from before the kernel took its slots itself (its worker launched the retired
+host-planned kernel after planning slots and uploading them) has device work that stand-in
+does not cover: no A/B against it is fair, and the run stops when a version's replay made no
+stand-in launch (or, before ``kernels/alloc_reference.py`` existed, when the stand-in finds no
+kernel).
 
     python -m bench.run host_ab --base REV [--families A,B] [--model M] [--depth D]
         [--rounds N] [--out-dir DIR]

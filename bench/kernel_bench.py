@@ -1,15 +1,15 @@
-"""GPU microbenchmark of the gather-pack step kernel against vLLM 0.33.0's snapshot path.
+"""GPU microbenchmark of the capture kernel's step launch against vLLM 0.33.0's snapshot path.
 
 For each model shape x step kind (decode with 1 to 512 requests, an 8192-token chunked
 prefill, speculative decoding with k=3) it times, with ``triton.testing.do_bench``
 (p50/p20/p80):
-  r3capture-kernel   gather_pack into device slots ``[S, B, L, K]`` (GPU time: HBM efficiency)
-  r3capture-pinned   gather_pack straight into the pinned host arena (and step_info), then
+  r3capture-kernel   gather_alloc into device slots ``[S, B, L, K]`` (GPU time: HBM efficiency)
+  r3capture-pinned   gather_alloc straight into the pinned host arena (and step_info), then
                      stream sync: the rows are on the host, block-aligned, nothing else to do
-  r3capture-staging  gather_pack into device staging ``[rows, L, K]`` in step-row order + one
+  r3capture-staging  gather_alloc into device staging ``[rows, L, K]`` in step-row order + one
                      async copy of the step's num_rows rows (and step_info) to pinned host
-                     memory, then stream sync (placing the rows into the arena with the slot
-                     table is host work, not timed here)
+                     memory, then stream sync (placing the rows into the arena by the slots
+                     the launch took is host work, not timed here)
   vllm-cast          buffer[:n].to(dtype), the GPU half of vLLM's path (GPU time)
   vllm               buffer[:n].to(dtype) + .to("cpu", non_blocking=True) of it and of
                      num_rejected + stream sync + per-request host slicing of accepted rows
@@ -22,25 +22,32 @@ and, as thread-CPU time of the launching thread alone (``host``; nothing waits i
 and reports µs, effective GB/s, % of the measured HBM peak (a large device copy) and of the
 measured PCIe peak (a large pinned D2H copy), the bytes that cross PCIe per step, and the
 speedup over the vLLM provider timed the same way (``vllm-cast`` for GPU time, ``vllm`` for
-wall time until the host may read the rows, ``vllm-cast-launch`` for host time). The
-r3capture providers launch through a ``GatherPackLaunch`` built once per step and output
-(the worker's hot path: only the per-step arguments are checked per call).
+wall time until the host may read the rows, ``vllm-cast-launch`` for host time).
 
-Inputs are built as the worker builds them: every request owns one row of a persistent ring
-slot table ``[max_num_seqs + 1, W]`` (the slot of hash block b sits at column ``b % W``), its
-row of ``block_window [max_num_seqs + 1, 2]`` holds the window ``lo ..= hi`` of blocks covering
-its scheduled rows (rows without a request hold the empty window ``[0, -1]``), every block of a
-window maps to a distinct slot of a shuffled arena, and ``positions`` holds each row's token
-position on the device.
+The r3capture providers launch as the worker does (``aux_output/device_side.py``): each
+through a ``GatherAllocLaunch`` built once over its own device state (a ring of block-tagged
+slots ``[max_num_seqs, D]`` and two records per request index, the queue's two heads) and
+the free-slot queue in pinned host memory; each call checks the batch's device inputs
+(``query_start_loc``, ``positions``, ``idx_mapping``, ``num_rejected``) and launches with a
+new serial and the queue's tail. Every request of a timed step is new to its index (its
+fresh flag set, pinned as the worker keeps them), so every launch takes every block of the
+step from the queue: the most slot-taking work a step can do. The host's refill puts the
+same slots back in the same order (the queue holds exactly the step's blocks), so every
+launch takes the same slots and writes the same bytes.
+
+Inputs are built as the worker's batch: every request has a distinct index below
+``max_num_seqs`` (Model Runner V2's ``idx_mapping``), ``positions`` holds each row's token
+position on the device, and the queue names distinct slots of a shuffled arena twice the
+step's blocks.
 
 Every configuration is gated on correctness before it is timed: the accepted rows of vLLM's
-path, placed with the slot table, give the expected arena, staging and step_info; the torch
-reference and every r3capture provider's output (through ``gather_pack``) must equal them
-byte for byte, with every other byte still poisoned. A configuration that fails the gate gets
-no timings; after timing, what the timed launches left (every launch writes the same bytes)
-is checked the same way, or the configuration's timings are dropped. On a machine without
-CUDA only the gate runs (Triton interpreter, scaled-down steps) and the script says that
-timings need a GPU, then exits 0.
+path, placed by the slots the queue hands out in batch order, give the expected arena,
+staging and step_info; the torch reference and every r3capture provider's output (through
+``gather_alloc``) must equal them byte for byte, with every other byte still poisoned. A
+configuration that fails the gate gets no timings; after timing, what the timed launches
+left (every launch writes the same bytes) is checked the same way, or the configuration's
+timings are dropped. On a machine without CUDA only the gate runs (Triton interpreter,
+scaled-down steps) and the script says that timings need a GPU, then exits 0.
 
     python -m bench.kernel_bench [--quick] [--out DIR]    (or: python -m bench.run kernel)
 
@@ -81,10 +88,10 @@ from bench.common import (  # noqa: E402
 from bench.stand_ins import launch_stand_in  # noqa: E402
 from r3capture.aux_output.sizing import ring_widths  # noqa: E402
 from r3capture.kernels import (  # noqa: E402
-    GatherPackLaunch,
+    GatherAllocLaunch,
     can_write_host_directly,
-    gather_pack,
-    gather_pack_reference,
+    gather_alloc,
+    gather_alloc_reference,
 )
 
 HASH_BLOCK = 16
@@ -102,7 +109,7 @@ class Sizes:
     """Engine limits and the size of each step kind."""
 
     max_tokens: int  # capture rows (max_num_batched_tokens)
-    max_seqs: int  # most requests per step; the slot ring has one row more
+    max_seqs: int  # most requests per step, and request indices (the ring's rows)
     decode_reqs: tuple[int, ...]  # requests of each decode step (one row each)
     prefill_chunks: int  # requests of the chunked prefill, max_tokens // chunks rows each
     spec_reqs: int  # requests of the speculative step, k + 1 = 4 rows each
@@ -154,16 +161,19 @@ def make_step(kind: str, sizes: Sizes, rng: random.Random) -> tuple[list[Request
 
 @dataclass
 class Step:
-    """One engine step's kernel inputs, on ``device``."""
+    """One engine step's kernel inputs, on ``device``, and the queue that feeds its blocks."""
 
     model: ModelShape
     kind: str
     block: int  # B
     reqs: list[Request]
-    # capture, query_start_loc, positions, table_row, slot_table, block_window,
-    # num_rejected (None without speculation)
+    # capture, query_start_loc, positions, request_index (MRV2's idx_mapping), num_rejected
+    # (None without speculation)
     inputs: dict[str, torch.Tensor | None]
+    queue_slots: torch.Tensor  # int32 [Q] (host): the step's blocks' slots, in batch order
     num_slots: int  # S, slots of the arena
+    num_indices: int  # N, request indices (the ring's rows)
+    ring_width: int  # D
 
     @property
     def device(self) -> torch.device:
@@ -178,6 +188,10 @@ class Step:
         return sum(r.rows - r.rejected for r in self.reqs)
 
     @property
+    def queue_size(self) -> int:
+        return self.queue_slots.shape[0]
+
+    @property
     def label(self) -> str:
         if self.kind.startswith("decode"):
             return f"decode {len(self.reqs)} req"
@@ -185,28 +199,62 @@ class Step:
             return f"prefill {self.num_rows} tok {len(self.reqs)} chunks"
         return f"spec k=3 {len(self.reqs)} req {100 * self.accepted_rows // self.num_rows}% acc"
 
-    def slots_args(self, dest: torch.Tensor, step_info: torch.Tensor, **inputs) -> dict:
-        """gather_pack arguments writing ``dest [S, B, L, K]``; ``inputs`` replaces some."""
-        return dict(self.inputs, **inputs, dest=dest, step_info=step_info,
-                    num_reqs=len(self.reqs), num_rows=self.num_rows)  # fmt: skip
+    def _host_side(self, t: torch.Tensor) -> torch.Tensor:
+        """Where the worker keeps the queue and the fresh flags: pinned host memory on a GPU."""
+        return t.pin_memory() if self.device.type == "cuda" else t.clone()
 
-    def rows_args(self, staging: torch.Tensor, step_info: torch.Tensor, **inputs) -> dict:
-        """gather_pack arguments writing device staging ``[>= num_rows, L, K]``."""
-        args = self.slots_args(staging, step_info, **inputs)
-        return dict(args, hash_block=self.block, num_slots=self.num_slots)
+    def new_state(self) -> dict[str, torch.Tensor]:
+        """The kernel's state before the step's first launch: an empty ring, records and
+        heads on the device, the queue (the step's slots) and the fresh flags host-side."""
+        device = self.device
+        return {
+            "ring": torch.full(
+                (self.num_indices, self.ring_width), -1, dtype=torch.int64, device=device
+            ),  # fmt: skip
+            "records": torch.zeros((self.num_indices, 2), dtype=torch.int64, device=device),
+            "queue": self._host_side(self.queue_slots),
+            "heads": torch.zeros(2, dtype=torch.int64, device=device),
+            "fresh": self._host_side(torch.ones(len(self.reqs), dtype=torch.uint8)),
+        }
+
+    def alloc_args(self, dest: torch.Tensor, step_info: torch.Tensor, **inputs) -> dict:
+        """gather_alloc arguments of the step's first launch writing ``dest`` (``[S, B, L, K]``
+        slots or ``[>= num_rows, L, K]`` staging), over a new state; ``inputs`` replaces
+        some."""
+        args = {**self.inputs, **self.new_state(), **inputs}
+        args.update(dest=dest, step_info=step_info, num_reqs=len(self.reqs),
+                    num_rows=self.num_rows, launch=1, queue_tail=self.queue_size)  # fmt: skip
+        if dest.dim() == 3:
+            args.update(hash_block=self.block, num_slots=self.num_slots)
+        return args
 
     def launcher(self, dest: torch.Tensor, step_info: torch.Tensor) -> Callable[[], None]:
         """The worker's hot path for this step into ``dest`` (slots or staging): a
-        ``GatherPackLaunch`` over the static arguments, validated here once, and a call that
-        passes only the per-step ones."""
-        x = self.inputs
-        launch = GatherPackLaunch(
-            x["capture"], x["table_row"], x["slot_table"], x["block_window"], dest, step_info,
-            hash_block=self.block, num_slots=self.num_slots, impl="triton",
+        ``GatherAllocLaunch`` over a new state, validated here once, and a call that checks
+        the batch's inputs and launches with the next serial and the refilled queue's tail
+        (the same ``Q`` slots put back after each launch)."""
+        x, state = self.inputs, self.new_state()
+        rows_layout = dest.dim() == 3
+        launch = GatherAllocLaunch(
+            x["capture"], state["ring"], state["records"], state["queue"], state["heads"],
+            dest, step_info, hash_block=self.block if rows_layout else None,
+            num_slots=self.num_slots if rows_layout else None, impl="triton",
         )  # fmt: skip
-        qsl, positions, rejected = x["query_start_loc"], x["positions"], x["num_rejected"]
-        num_reqs, num_rows = len(self.reqs), self.num_rows
-        return lambda: launch(qsl, positions, rejected, num_reqs=num_reqs, num_rows=num_rows)
+        qsl, positions = x["query_start_loc"], x["positions"]
+        index, rejected, fresh = x["request_index"], x["num_rejected"], state["fresh"]
+        num_reqs, num_rows, size = len(self.reqs), self.num_rows, self.queue_size
+        serial = 0
+
+        def run() -> None:
+            nonlocal serial
+            serial += 1
+            shape = launch.check_step(
+                qsl, positions, index, rejected, None, launch=serial,
+                queue_tail=serial * size, num_reqs=num_reqs, num_rows=num_rows,
+            )  # fmt: skip
+            launch.launch_checked(shape, qsl, positions, index, rejected, fresh)
+
+        return run
 
     def new_output(self, what: str, place: str) -> torch.Tensor:
         """A poisoned ``slots``/``rows``/``info`` output on ``place``: device | pinned | cpu."""
@@ -217,7 +265,7 @@ class Step:
         elif what == "rows":
             shape = (self.inputs["capture"].shape[0], L, K)
         else:
-            shape, dtype, fill = (len(self.reqs), 3), torch.int32, INFO_SENTINEL
+            shape, dtype, fill = (len(self.reqs), 4), torch.int32, INFO_SENTINEL
         out = torch.full(shape, fill, dtype=torch.int32).to(dtype)
         if place == "pinned":
             return out.pin_memory()
@@ -246,31 +294,22 @@ def build_step(
     capture[capture == DEST_SENTINEL[model.dtype]] -= 1
 
     rows = np.array([r.rows for r in reqs], dtype=np.int64)
+    accepted = rows - np.array([r.rejected for r in reqs], dtype=np.int64)
     starts = np.array([r.start for r in reqs], dtype=np.int64)
     qsl = np.concatenate([[0], np.cumsum(rows)])
     num_rows = int(qsl[-1])
     # Rows past the step are padding: no position there is ever read.
     positions = np.full(sizes.max_tokens, -1, dtype=np.int64)
     positions[:num_rows] = np.repeat(starts - qsl[:-1], rows) + np.arange(num_rows)
-    block_lo = starts // block
-    block_hi = (starts + rows - 1) // block
-
+    # The blocks of each request's accepted rows, all new (every request is fresh).
+    num_blocks = (starts + accepted - 1) // block - starts // block + 1
     width = ring_width(sizes.max_tokens, block)
-    num_table_rows = sizes.max_seqs + 1
-    table_row = np.array(rng.sample(range(num_table_rows), num_reqs), dtype=np.int64)
-    # Rows without a request hold the empty window [0, -1].
-    block_window = np.tile(np.array([0, -1], dtype=np.int64), (num_table_rows, 1))
-    block_window[table_row] = np.stack([block_lo, block_hi], axis=1)
-    num_blocks = block_hi - block_lo + 1
-    assert (num_blocks <= width).all(), "a window wider than the ring"
+    assert (num_blocks <= width).all(), "a request wider than the ring"
+    index = np.array(rng.sample(range(sizes.max_seqs), num_reqs), dtype=np.int64)
     # An arena twice the step's blocks, shuffled: slots are distinct, never in request order.
-    num_slots = 2 * int(num_blocks.sum())
-    slots = np.array(rng.sample(range(num_slots), int(num_blocks.sum())), dtype=np.int64)
-    ring = np.full((num_table_rows, width), -1, dtype=np.int32)
-    owner = np.repeat(np.arange(num_reqs), num_blocks)
-    first_of = np.cumsum(num_blocks) - num_blocks
-    blocks = block_lo[owner] + np.arange(len(owner)) - first_of[owner]
-    ring[table_row[owner], blocks % width] = slots
+    total = int(num_blocks.sum())
+    num_slots = 2 * total
+    queue_slots = np.array(rng.sample(range(num_slots), total), dtype=np.int32)
 
     def int32(values: np.ndarray) -> torch.Tensor:
         return torch.from_numpy(values.astype(np.int32))
@@ -279,13 +318,12 @@ def build_step(
         "capture": capture,
         "query_start_loc": int32(qsl),
         "positions": torch.from_numpy(positions),
-        "table_row": int32(table_row),
-        "slot_table": torch.from_numpy(ring),
-        "block_window": int32(block_window),
+        "request_index": torch.from_numpy(index),
         "num_rejected": int32(np.array([r.rejected for r in reqs])) if speculative else None,
     }
     inputs = {k: v.to(device) if v is not None else None for k, v in inputs.items()}
-    return Step(model, kind, block, reqs, inputs, num_slots)
+    return Step(model, kind, block, reqs, inputs, torch.from_numpy(queue_slots), num_slots,
+                sizes.max_seqs, width)  # fmt: skip
 
 
 def _synchronize(device: torch.device) -> None:
@@ -316,24 +354,27 @@ def copy_staging(step: Step, staging, info, host_rows, host_info) -> None:
 
 
 def expected_outputs(step: Step, host_rows: list[np.ndarray]) -> dict[str, np.ndarray]:
-    """``slots`` [S, B, L, K], ``rows`` [T, L, K] and ``info`` [R, 3] the gather must leave:
-    vLLM's accepted rows placed with the slot table (or in step-row order), poison elsewhere."""
+    """``slots`` [S, B, L, K], ``rows`` [T, L, K] and ``info`` [R, 4] the gather must leave:
+    vLLM's accepted rows placed by the slots the queue hands out in batch order (or in
+    step-row order), poison elsewhere."""
     model, block = step.model, step.block
     L, K = model.num_layers, model.top_k
     sentinel = DEST_SENTINEL[model.dtype]
     slots = np.full((step.num_slots * block, L, K), sentinel, dtype=model.np_dtype)
     rows = np.full((step.inputs["capture"].shape[0], L, K), sentinel, dtype=model.np_dtype)
-    info = np.zeros((len(step.reqs), 3), dtype=np.int32)
-    ring = step.inputs["slot_table"].cpu().numpy()
-    table_row = step.inputs["table_row"].cpu().numpy()
-    first_row = 0
+    info = np.zeros((len(step.reqs), 4), dtype=np.int32)
+    queue = step.queue_slots.numpy().astype(np.int64)
+    first_row, taken = 0, 0
     for r, (req, accepted) in enumerate(zip(step.reqs, host_rows)):
         pos = req.start + np.arange(len(accepted))
-        slot = ring[table_row[r], (pos // block) % ring.shape[1]].astype(np.int64)
+        first = req.start // block
+        num_blocks = (req.start + len(accepted) - 1) // block - first + 1
+        slot = queue[taken + pos // block - first]
         slots[slot * block + pos % block] = accepted
         rows[first_row : first_row + len(accepted)] = accepted
-        info[r] = (req.start, len(accepted), 0)
+        info[r] = (req.start, len(accepted), 0, num_blocks)
         first_row += req.rows
+        taken += num_blocks
     return {"slots": slots.reshape(step.num_slots, block, L, K), "rows": rows, "info": info}
 
 
@@ -367,26 +408,25 @@ def gate(step: Step) -> str | None:
         problems.extend(compare(expected, {name: outputs}))
 
     host_inputs = {k: v.cpu() for k, v in step.inputs.items() if v is not None}
-    slots, info = step.new_output("slots", "cpu"), step.new_output("info", "cpu")
-    gather_pack_reference(**step.slots_args(slots, info, **host_inputs))
-    check("reference", {"slots": slots, "info": info})
-    rows, info = step.new_output("rows", "cpu"), step.new_output("info", "cpu")
-    gather_pack_reference(**step.rows_args(rows, info, **host_inputs))
-    check("reference staging", {"rows": rows, "info": info})
+    host_state = {k: v.cpu() for k, v in step.new_state().items()}
+    for what, name in (("slots", "reference"), ("rows", "reference staging")):
+        dest, info = step.new_output(what, "cpu"), step.new_output("info", "cpu")
+        gather_alloc_reference(**step.alloc_args(dest, info, **host_inputs, **host_state))
+        check(name, {what: dest, "info": info})
 
     slots, info = step.new_output("slots", "device"), step.new_output("info", "device")
-    gather_pack(**step.slots_args(slots, info), impl="triton")
+    gather_alloc(**step.alloc_args(slots, info), impl="triton")
     _synchronize(step.device)
     check("r3capture-kernel", {"slots": slots, "info": info})
     if can_write_host_directly(step.device):
         slots, info = step.new_output("slots", "pinned"), step.new_output("info", "pinned")
-        gather_pack(**step.slots_args(slots, info), impl="triton")
+        gather_alloc(**step.alloc_args(slots, info), impl="triton")
         _synchronize(step.device)
         check("r3capture-pinned", {"slots": slots, "info": info})
     host_place = "pinned" if step.device.type == "cuda" else "cpu"
     staging, info = step.new_output("rows", "device"), step.new_output("info", "device")
     host_rows, host_info = step.new_output("rows", host_place), step.new_output("info", host_place)
-    gather_pack(**step.rows_args(staging, info), impl="triton")
+    gather_alloc(**step.alloc_args(staging, info), impl="triton")
     copy_staging(step, staging, info, host_rows, host_info)
     _synchronize(step.device)
     check("r3capture-staging", {"rows": host_rows, "info": host_info})
@@ -438,7 +478,9 @@ def bench_step(step: Step, peaks: dict[str, float]) -> tuple[list[Result], str |
     row_in = model.row_elems * 4  # int32 capture
     row_out = model.row_elems * model.dtype.itemsize
     acc, sched = step.accepted_rows, step.num_rows
-    info_bytes = len(step.reqs) * 3 * 4
+    info_bytes = len(step.reqs) * 4 * 4
+    # Every launch reads the pinned queue (the step's blocks) and fresh flags over PCIe.
+    host_reads = step.queue_size * 4 + len(step.reqs)
     stream = torch.cuda.current_stream()
 
     # Each r3capture provider: a launcher built once, outside the timing, as the worker does.
@@ -469,10 +511,11 @@ def bench_step(step: Step, peaks: dict[str, float]) -> tuple[list[Result], str |
     capture = step.inputs["capture"]
     providers = [
         # name, fn, timing, HBM bytes, PCIe bytes
-        ("r3capture-kernel", to_slots, "gpu", acc * (row_in + row_out), 0),
-        ("r3capture-pinned", r3_pinned, "wall+sync", acc * row_in, acc * row_out + info_bytes),
+        ("r3capture-kernel", to_slots, "gpu", acc * (row_in + row_out), host_reads),
+        ("r3capture-pinned", r3_pinned, "wall+sync", acc * row_in,
+         acc * row_out + info_bytes + host_reads),
         ("r3capture-staging", r3_staging, "wall+sync", acc * (row_in + row_out) + sched * row_out,
-         sched * row_out + info_bytes),
+         sched * row_out + info_bytes + host_reads),
         ("vllm-cast", lambda: capture[:sched].to(model.dtype), "gpu", sched * (row_in + row_out),
          0),
         ("vllm", lambda: vllm_host_rows(step), "wall+sync", sched * (row_in + 2 * row_out),
@@ -495,7 +538,7 @@ def bench_step(step: Step, peaks: dict[str, float]) -> tuple[list[Result], str |
         rows.append(
             Result(
                 bench="kernel",
-                op="gather_pack",
+                op="gather_alloc",
                 shape=[sched, model.num_layers, model.top_k],
                 dtype=str(model.dtype).removeprefix("torch."),
                 provider=name,
@@ -553,7 +596,7 @@ def _figure(rows: list[Result]):
     ax.set_xticklabels(labels, rotation=60, ha="right", fontsize=7)
     ax.set_yscale("log")
     ax.set_ylabel("p50 µs per step (log)")
-    ax.set_title(f"gather_pack vs vLLM snapshot path — {rows[0].machine}")
+    ax.set_title(f"gather_alloc vs vLLM snapshot path — {rows[0].machine}")
     ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 1.0))
     return fig
 

@@ -5,14 +5,16 @@ sequence of steps (decode 256 requests, an 8192-token chunked prefill, speculati
   vllm               vLLM's own buffers (the int32 capture buffer, the batch's positions and
                      num_rejected) + a per-step narrow snapshot (buffer[:n].to(dtype)) copied
                      to the host, as vLLM 0.33.0 does
-  r3capture-pinned   the same vLLM buffers + the worker's: one int32 buffer of per-step inputs
-                     (query_start_loc, table rows, the step's block windows, ring updates)
-                     filled by one copy, the persistent slot ring [max_num_seqs + 1, W] with
-                     its block windows [max_num_seqs + 1, 2], and step_info; one
-                     GatherPackLaunch built at start-up; rows go straight into the pinned
-                     host arena
+  r3capture-pinned   the same vLLM buffers + the batch's query_start_loc and idx_mapping (one
+                     int32 buffer filled by one copy) + the worker's own device side
+                     (``aux_output/device_side.DeviceSide``: the kernel's ring
+                     [max_num_seqs, D] and records, the queue's heads, the pinned free-slot
+                     queue and step_info, one GatherAllocLaunch built at start-up); every
+                     request is new to its index and takes its blocks' slots from the queue
+                     the host refills; rows go straight into the pinned host arena
   r3capture-staging  as above + device staging [max_num_batched_tokens, L, K] in step-row
-                     order, copied back per step; the host places its rows with the ring
+                     order and step_info on the device, copied back per step; the host places
+                     its rows by the slots the launch took
 and reports torch.cuda.max_memory_allocated / max_memory_reserved above the process's
 baseline and NVML's used-memory delta (per process where the driver reports it, else
 device-wide), as JSON. vLLM's buffers are counted for every provider: vLLM allocates them
@@ -44,7 +46,7 @@ import torch
 
 from bench.common import RESULTS_DIR, write_results
 from bench.kernel_bench import DEST_SENTINEL, ring_width
-from r3capture.kernels import GatherPackLaunch
+from r3capture.aux_output.device_side import DeviceSide
 
 EXIT_NO_NVML = 3
 EXIT_NO_TORCH_CUDA = 4
@@ -91,16 +93,16 @@ def profile_steps(rng: np.random.Generator, limits: Limits) -> list[ProfileStep]
 
 @dataclass(frozen=True)
 class Plan:
-    """What the host derives for one step: one table row and a block window per request,
-    every block of a window mapped to a distinct arena slot."""
+    """What the host derives for one step: a distinct request index per request and, for
+    the blocks of each request's accepted rows, distinct arena slots in batch order (the
+    queue entries the launch takes)."""
 
     qsl: np.ndarray  # int64 [R+1]
     positions: np.ndarray  # int64 [num_rows], token position of each row
-    table_row: np.ndarray  # int64 [R]
-    block_lo: np.ndarray  # int64 [R]
-    block_hi: np.ndarray  # int64 [R]
+    request_index: np.ndarray  # int64 [R]
+    block_lo: np.ndarray  # int64 [R], first block of the accepted rows
+    block_hi: np.ndarray  # int64 [R], last block of the accepted rows
     block_slots: np.ndarray  # int64 [U]: slots of blocks block_lo..=block_hi, request by request
-    ring_index: np.ndarray  # int64 [U]: flat ring entry (row * W + block % W) of each slot
 
     @property
     def num_rows(self) -> int:
@@ -112,18 +114,15 @@ def plan_step(step: ProfileStep, rng: np.random.Generator, limits: Limits) -> Pl
     num_reqs, block = len(rows), limits.block
     qsl = np.concatenate([[0], np.cumsum(rows)])
     positions = np.repeat(starts - qsl[:-1], rows) + np.arange(qsl[-1])
-    block_lo, block_hi = starts // block, (starts + rows - 1) // block
+    accepted = rows - step.rejected
+    block_lo, block_hi = starts // block, (starts + accepted - 1) // block
     num_blocks = block_hi - block_lo + 1
     width = ring_width(limits.max_tokens, block)
     if num_blocks.sum() > limits.max_slots or (num_blocks > width).any():
         raise ValueError(f"a step of {int(num_blocks.sum())} blocks does not fit {limits}")
-    table_row = rng.permutation(limits.max_seqs + 1)[:num_reqs]
+    request_index = rng.permutation(limits.max_seqs)[:num_reqs]
     block_slots = rng.permutation(limits.max_slots)[: int(num_blocks.sum())]
-    owner = np.repeat(np.arange(num_reqs), num_blocks)
-    first_of = np.cumsum(num_blocks) - num_blocks
-    blocks = block_lo[owner] + np.arange(len(owner)) - first_of[owner]
-    ring_index = table_row[owner] * width + blocks % width
-    return Plan(qsl, positions, table_row, block_lo, block_hi, block_slots, ring_index)
+    return Plan(qsl, positions, request_index, block_lo, block_hi, block_slots)
 
 
 def accepted_rows(step: ProfileStep, plan: Plan, block: int) -> tuple[np.ndarray, np.ndarray]:
@@ -174,31 +173,31 @@ class Provider:
             self.snapshot_host: np.ndarray | None = None
             return
 
-        # Per-step inputs, one int32 buffer: query_start_loc, table rows, the step's block
-        # windows (lo, hi per request), then the ring updates (flat index, slot).
+        # The batch's query_start_loc and idx_mapping (vLLM's input batch holds them on the
+        # device): one int32 buffer, filled by one copy per step.
         self._stride = stride = limits.max_seqs + 1
-        max_updates = limits.max_slots
-        length = 4 * stride + 2 * max_updates
-        self.inputs_host = torch.zeros(length, dtype=torch.int32, pin_memory=pinned)
-        self.inputs = torch.zeros(length, dtype=torch.int32, device=self.device)
-        width = ring_width(limits.max_tokens, B)
-        self.ring = torch.full((stride, width), -1, dtype=torch.int32, device=self.device)
-        # Every row starts with the empty window: it may write no block.
-        self.window = torch.tensor([[0, -1]], dtype=torch.int32).repeat(stride, 1).to(self.device)
-        self.info = torch.zeros((limits.max_seqs, 3), dtype=torch.int32, device=self.device)
-        self.info_host = torch.zeros((limits.max_seqs, 3), dtype=torch.int32, pin_memory=pinned)
+        self.inputs_host = torch.zeros(2 * stride, dtype=torch.int32, pin_memory=pinned)
+        self.inputs = torch.zeros(2 * stride, dtype=torch.int32, device=self.device)
         # The store's arena: pinned host memory the kernel writes (direct) or the host fills.
         self.arena = torch.empty((limits.max_slots, B, L, K), dtype=self.dtype,
                                  pin_memory=pinned)  # fmt: skip
-        dest = self.arena
-        if name == "r3capture-staging":
-            shape = (limits.max_tokens, L, K)
-            self.staging = dest = torch.empty(shape, dtype=self.dtype, device=self.device)
-            self.staging_host = torch.empty(shape, dtype=self.dtype, pin_memory=pinned)
-        self.launch = GatherPackLaunch(
-            self.capture, self.inputs[stride : 2 * stride], self.ring, self.window, dest,
-            self.info, hash_block=B, num_slots=limits.max_slots, impl="triton",
+        staging = name == "r3capture-staging"
+        # The worker's device side: the kernel's state, its launch and the copies back.
+        self.side = DeviceSide(
+            capture_buffer=self.capture, dtype=self.np_dtype, block_size=B,
+            max_num_seqs=limits.max_seqs, ring_width=ring_width(limits.max_tokens, B),
+            queue_size=limits.max_slots, depth=1,
+            destination="staging" if staging else "direct", kernel_impl="triton",
         )  # fmt: skip
+        self.side.attach(self.arena)
+        # Its one buffer of each (depth 1): step_info on the host, and staging.
+        self.info_host = self.side._info_host[0]
+        if staging:
+            self.staging = self.side._staging_dev[0]
+            self.staging_host = self.side._staging_host[0]
+        self._launch = 0
+        self._queue_tail = 0
+        self._step = None
 
     def run(self, step: ProfileStep, plan: Plan) -> None:
         """Enqueue one step's device work and copies back; the caller synchronizes."""
@@ -214,35 +213,32 @@ class Provider:
             return
 
         _poison(self.arena, self.sentinel)
-        self.info.fill_(-99)
-        stride, num_updates = self._stride, len(plan.ring_index)
+        self.info_host.fill_(-99)
+        if self.name == "r3capture-staging":
+            _poison(self.staging, self.sentinel)
+            self.side._info_dev[0].fill_(-99)
+        stride = self._stride
         host = self.inputs_host.numpy()
         host[: num_reqs + 1] = plan.qsl
-        host[stride : stride + num_reqs] = plan.table_row
-        windows = host[2 * stride : 2 * stride + 2 * num_reqs].reshape(num_reqs, 2)
-        windows[:] = np.stack([plan.block_lo, plan.block_hi], axis=1)
-        at = 4 * stride
-        host[at : at + num_updates] = plan.ring_index
-        host[at + num_updates : at + 2 * num_updates] = plan.block_slots
-        used = at + 2 * num_updates
-        self.inputs[:used].copy_(self.inputs_host[:used], non_blocking=True)
-        # The step's requests are all new here: each one's row of windows and ring is set.
-        table_row = self.inputs[stride : stride + num_reqs]
-        self.window.index_put_(
-            (table_row,), self.inputs[2 * stride : 2 * stride + 2 * num_reqs].view(num_reqs, 2)
-        )
-        self.ring.view(-1).index_put_(
-            (self.inputs[at : at + num_updates],), self.inputs[at + num_updates : used]
-        )
-        staging = self.name == "r3capture-staging"
-        if staging:
-            _poison(self.staging, self.sentinel)
+        host[stride : stride + num_reqs] = plan.request_index
+        self.inputs.copy_(self.inputs_host, non_blocking=True)
+        # The host refills the queue with the step's slots, in the order its blocks take
+        # them; every request is new to its index.
+        queue, size = self.side.queue_np, len(self.side.queue_np)
+        for k, slot in enumerate(plan.block_slots.tolist()):
+            queue[(self._queue_tail + k) % size] = slot
+        self._queue_tail += len(plan.block_slots)
+        self.side.fresh_flags()[:num_reqs] = 1
+        self._launch += 1
+        qsl, index = self.inputs[: num_reqs + 1], self.inputs[stride : stride + num_reqs]
         rejected = self.num_rejected[:num_reqs] if step.speculative else None
-        self.launch(self.inputs[: num_reqs + 1], self.positions, rejected, num_reqs=num_reqs,
-                    num_rows=n)  # fmt: skip
-        self.info_host[:num_reqs].copy_(self.info[:num_reqs], non_blocking=True)
-        if staging:
-            self.staging_host[:n].copy_(self.staging[:n], non_blocking=True)
+        shape = self.side.check_step(
+            qsl, self.positions, index, rejected, num_reqs=num_reqs, num_rows=n,
+            launch=self._launch, queue_tail=self._queue_tail,
+        )  # fmt: skip
+        self._step = self.side.launch(shape, qsl, self.positions, index, rejected, fresh=True,
+                                      num_rows=n)  # fmt: skip
+        self.side.copy_back(self._step)
 
     def check(self, step: ProfileStep, plan: Plan) -> str | None:
         """None when the completed step left exactly the expected bytes on the host."""
@@ -257,7 +253,10 @@ class Provider:
 
         num_reqs = len(step.rows)
         info = self.info_host[:num_reqs].numpy()
-        expected_info = np.stack([step.starts, step.rows - step.rejected, 0 * step.rows], axis=1)
+        blocks = plan.block_hi - plan.block_lo + 1
+        expected_info = np.stack(
+            [step.starts, step.rows - step.rejected, 0 * step.rows, blocks], axis=1
+        )
         if not np.array_equal(info, expected_info):
             bad = np.flatnonzero((info != expected_info).any(axis=1))
             return f"step_info of requests {bad[:8].tolist()}: {info[bad[:3]].tolist()}"

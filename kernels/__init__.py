@@ -1,40 +1,37 @@
-"""Triton kernels of r3capture, their host launchers and torch references.
+"""Triton kernel of r3capture, its host launcher and torch reference.
 
-``gather_pack`` (one launch per engine step) gathers each request's accepted routed-experts
-rows, casts them to uint8/uint16 and writes them block-aligned into a slot arena;
-``gather_pack_reference`` is its torch oracle and CPU fallback. ``gather_alloc`` does the
-same with the slots taken on the device, from a queue the host refills (``docs/device_slots.md``);
-``gather_alloc_reference`` is its oracle.
+``gather_alloc`` (one launch per engine step) gathers each request's accepted routed-experts
+rows, casts them to uint8/uint16 and writes them block-aligned into a slot arena, taking
+each new block's slot on the device from a queue the host refills (``docs/device_slots.md``);
+``GatherAllocLaunch`` is the worker's launcher, validated once, and
+``gather_alloc_reference`` the kernel's torch oracle.
 """
 
 from r3capture.kernels._common import (
     STATUS_BAD_BLOCK,
+    STATUS_BAD_INDEX,
     STATUS_BAD_REJECTED,
     STATUS_BAD_ROWS,
+    STATUS_NO_STOCK,
     STATUS_OK,
-    GatherPackArgumentError,
-    GatherPackShape,
+    KernelArgumentError,
     Status,
 )
 from r3capture.kernels._device import can_write_host_directly
 from r3capture.kernels.alloc_reference import gather_alloc_reference
 from r3capture.kernels.gather_alloc import GatherAllocLaunch, gather_alloc
-from r3capture.kernels.gather_pack import GatherPackLaunch, gather_pack
-from r3capture.kernels.reference import gather_pack_reference
 
 __all__ = [
     "GatherAllocLaunch",
-    "GatherPackArgumentError",
-    "GatherPackLaunch",
-    "GatherPackShape",
+    "KernelArgumentError",
     "STATUS_BAD_BLOCK",
+    "STATUS_BAD_INDEX",
     "STATUS_BAD_REJECTED",
     "STATUS_BAD_ROWS",
+    "STATUS_NO_STOCK",
     "STATUS_OK",
     "Status",
     "can_write_host_directly",
     "gather_alloc",
     "gather_alloc_reference",
-    "gather_pack",
-    "gather_pack_reference",
 ]

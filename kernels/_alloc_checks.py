@@ -15,8 +15,8 @@ import torch
 from r3capture.kernels._common import (
     CAPTURE_DTYPES,
     INDEX_DTYPES,
-    GatherPackArgumentError,
     _check_dest,
+    _fail,
     _inner_dense,
     _is_count,
     _same_memory,
@@ -55,15 +55,6 @@ class AllocStatic:
     queue_size: int  # Q
     max_requests: int  # step_info rows
     device: torch.device
-
-
-def _fail(name: str, expected: str, value: object) -> GatherPackArgumentError:
-    if isinstance(value, torch.Tensor):
-        t = value
-        actual = f"shape {tuple(t.shape)}, dtype {t.dtype}, device {t.device}, stride {t.stride()}"
-    else:
-        actual = repr(value)
-    return GatherPackArgumentError(name, f"gather_alloc: {name} must be {expected}; got {actual}")
 
 
 def _tensor(name: str, t: object, ndim: int, dtypes: tuple[torch.dtype, ...]) -> torch.Tensor:
@@ -110,18 +101,14 @@ def check_alloc_static_args(
         raise _fail("capture", "non-empty in L and K", capture)
     if not _inner_dense(capture, 0):
         raise _fail("capture", "contiguous", capture)
-    try:
-        hash_block, num_slots, rows_layout = _check_dest(dest, capture, hash_block, num_slots)
-    except GatherPackArgumentError as exc:
-        raise GatherPackArgumentError(
-            exc.argument, str(exc).replace("gather_pack:", "gather_alloc:", 1)
-        ) from None
+    hash_block, num_slots, rows_layout = _check_dest(dest, capture, hash_block, num_slots)
     device = capture.device
     ring = _tensor("ring", ring, 2, (torch.int64,))
     if ring.shape[1] == 0 or (ring.shape[1] > 1 and ring.stride(1) != 1):
         raise _fail("ring", "[N, D] with D >= 1, contiguous along dim 1", ring)
     records = _tensor("records", records, 2, (torch.int64,))
-    if records.shape != (ring.shape[0], 2) or records.stride(1) != 1:
+    # The kernel reads a request's records at index * 2: the rows must be dense too.
+    if records.shape != (ring.shape[0], 2) or not records.is_contiguous():
         raise _fail("records", f"[N, 2] (N = {ring.shape[0]} ring rows), dense rows", records)
     queue = _tensor("queue", queue, 1, (torch.int32,))
     if queue.shape[0] == 0:

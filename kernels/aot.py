@@ -1,4 +1,4 @@
-"""Ahead-of-time compilation of every kernel specialization r3capture launches.
+"""Ahead-of-time compilation of the kernel specializations r3capture launches.
 
 Compiles ttir -> ttgir -> llir -> ptx -> cubin for real GPU targets with no GPU and no
 libcuda (ptxas ships in the Triton wheel), which catches code that the Triton interpreter
@@ -26,78 +26,17 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
+from r3capture.kernels._launch import _NUM_WARPS, _tile_config
 from r3capture.kernels.gather_alloc import _ALLOC_SCAN, _PLAN_CHUNK, _gather_alloc_kernel
-from r3capture.kernels.gather_pack import _NUM_WARPS, _gather_pack_kernel, _tile_config
 
 # A100 (sm_80), H100/H200 (sm_90), B200/GB200 (sm_100) and RTX/RTX PRO Blackwell (sm_120).
 ARCHS = (80, 90, 100, 120)
 
-_SIZE_ARGS = ("num_reqs", "row_limit", "num_slots", "num_table_rows", "ring_width", "num_steps")
-_STRIDE_ARGS = ("stride_table_r", "stride_window_r", "stride_dest", "stride_info_r")
-
-
-@dataclass(frozen=True)
-class GatherPackSpec:
-    """One compiled variant of the gather-pack kernel, as the launcher would specialize it."""
-
-    name: str
-    num_layers: int
-    top_k: int
-    hash_block: int
-    capture: str = "i32"  # Triton element type of capture
-    dest: str = "u8"
-    index: str = "i32"  # query_start_loc, table_row, slot_table, block_window, num_rejected
-    positions: str = "i64"  # MRV2's input_batch.positions
-    has_rejected: bool = True
-    rows_layout: bool = False  # dest is device staging in step-row order
-
-    def source(self) -> ASTSource:
-        fn = _gather_pack_kernel
-        signature = {
-            "capture_ptr": f"*{self.capture}",
-            "qsl_ptr": f"*{self.index}",
-            "pos_ptr": f"*{self.positions}",
-            "table_row_ptr": f"*{self.index}",
-            "table_ptr": f"*{self.index}",
-            "window_ptr": f"*{self.index}",
-            "rejected_ptr": f"*{self.index}",
-            "dest_ptr": f"*{self.dest}",
-            "info_ptr": "*i32",
-        }
-        signature.update({name: "i32" for name in _SIZE_ARGS + _STRIDE_ARGS})
-        constexprs = {
-            "ROW_ELEMS": self.num_layers * self.top_k,
-            "HASH_BLOCK": self.hash_block,
-            "HAS_REJECTED": self.has_rejected,
-            "ROWS_LAYOUT": self.rows_layout,
-            **_tile_config(self.num_layers * self.top_k),
-        }
-        signature.update({name: "constexpr" for name in constexprs})
-        missing = set(fn.arg_names) - set(signature)
-        if missing:
-            raise AssertionError(f"AOT signature lacks kernel arguments {sorted(missing)}")
-        return ASTSource(fn=fn, signature=signature, constexprs=constexprs)
-
-
-GATHER_PACK_SPECS = (
-    GatherPackSpec("tiny-L1K1-B16-i32-u8", 1, 1, 16),
-    GatherPackSpec("qwen3-30b-a3b-48x8-B16-i32-u8", 48, 8, 16),
-    GatherPackSpec("qwen3-30b-a3b-48x8-B16-i32-u8-norej", 48, 8, 16, has_rejected=False),
-    GatherPackSpec("kimi-k2-61x8-B16-i32-u16", 61, 8, 16, dest="u16"),
-    GatherPackSpec("kimi-k2-61x8-B16-i32-u16-norej", 61, 8, 16, dest="u16", has_rejected=False),
-    GatherPackSpec("qwen3-30b-a3b-48x8-B16-i32-u8-rows", 48, 8, 16, rows_layout=True),
-    GatherPackSpec("kimi-k2-61x8-B16-i32-u16-rows", 61, 8, 16, dest="u16", rows_layout=True),
-    GatherPackSpec("deepseek-v3-61x8-B32-i64idx-u8", 61, 8, 32, index="i64"),
-    GatherPackSpec("narrow-capture-36x4-B16-u16-u16", 36, 4, 16, capture="u16", dest="u16"),
-    GatherPackSpec("mixtral-32x2-B16-i32-u8", 32, 2, 16),
-    # Rows of more than 4,096 elements: tiles of one row and one request.
-    GatherPackSpec("wide-row-65x64-B16-i32-u16", 65, 64, 16, dest="u16"),
-)
-
 
 @dataclass(frozen=True)
 class GatherAllocSpec:
-    """One compiled variant of the slot-taking gather kernel (``gather_alloc``)."""
+    """One compiled variant of the capture kernel (``gather_alloc``), as the launcher would
+    specialize it."""
 
     name: str
     num_layers: int
@@ -158,9 +97,16 @@ _ALLOC_I32_ARGS = (
 GATHER_ALLOC_SPECS = (
     GatherAllocSpec("alloc-tiny-L1K1-B16-u8", 1, 1, 16),
     GatherAllocSpec("alloc-qwen3-30b-a3b-48x8-B16-u8", 48, 8, 16),
+    GatherAllocSpec("alloc-qwen3-30b-a3b-48x8-B16-u8-norej", 48, 8, 16, has_rejected=False),
     GatherAllocSpec("alloc-qwen3-30b-a3b-48x8-B16-u8-fresh", 48, 8, 16, has_fresh=True),
+    GatherAllocSpec("alloc-kimi-k2-61x8-B16-u16", 61, 8, 16, dest="u16"),
     GatherAllocSpec("alloc-kimi-k2-61x8-B16-u16-norej", 61, 8, 16, dest="u16", has_rejected=False),
+    GatherAllocSpec("alloc-qwen3-30b-a3b-48x8-B16-u8-rows", 48, 8, 16, rows_layout=True),
     GatherAllocSpec("alloc-kimi-k2-61x8-B16-u16-rows", 61, 8, 16, dest="u16", rows_layout=True),
+    GatherAllocSpec("alloc-deepseek-v3-61x8-B32-i64idx-u8", 61, 8, 32, index="i64"),
+    GatherAllocSpec("alloc-narrow-capture-36x4-B16-u16-u16", 36, 4, 16, capture="u16", dest="u16"),
+    GatherAllocSpec("alloc-mixtral-32x2-B16-u8", 32, 2, 16),
+    # Rows of more than 4,096 elements: tiles of one row and one request.
     GatherAllocSpec("alloc-wide-row-65x64-B16-u16", 65, 64, 16, dest="u16"),
 )
 
@@ -191,7 +137,7 @@ def _ptxas_usage(ptx: str, arch: int) -> dict:
     return {"registers": int(regs.group(1)), "spill_bytes": sum(int(x) for x in spills)}
 
 
-def compile_spec(spec: GatherPackSpec | GatherAllocSpec, arch: int) -> dict:
+def compile_spec(spec: GatherAllocSpec, arch: int) -> dict:
     """Compile one spec for sm_<arch>; returns a JSON-able record (cubin size, registers)."""
     t0 = time.perf_counter()
     kernel = triton.compile(
@@ -199,7 +145,7 @@ def compile_spec(spec: GatherPackSpec | GatherAllocSpec, arch: int) -> dict:
     )
     cubin = kernel.asm.get("cubin", b"")
     return {
-        "kernel": "gather_alloc" if isinstance(spec, GatherAllocSpec) else "gather_pack",
+        "kernel": "gather_alloc",
         "spec": spec.name,
         "arch": f"sm_{arch}",
         "cubin_bytes": len(cubin),
@@ -224,7 +170,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     failed = 0
     for arch in args.arch or ARCHS:
-        for spec in GATHER_PACK_SPECS + GATHER_ALLOC_SPECS:
+        for spec in GATHER_ALLOC_SPECS:
             try:
                 record = compile_spec(spec, arch)
             except Exception as exc:  # noqa: BLE001 - report every failing spec, then exit 1

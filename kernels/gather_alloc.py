@@ -1,8 +1,16 @@
 """Gather each request's accepted rows into block-aligned slots the kernel takes itself.
 
-``gather_pack`` with the slot planning moved onto the device (``docs/device_slots.md``): the
-host hands the launch no table, only scalars, and the kernel finds each request's state by
-its request index (Model Runner V2's persistent ``input_batch.idx_mapping``):
+One launch per engine step, after rejection sampling, with no host synchronization. Request
+r's rows sit at token positions ``positions[qsl[r]] + i`` (the device's own positions, so a
+request that reattached below the scheduler's view after a rejected speculative suffix is
+placed correctly); the row of position ``p`` lands at ``dest[slot, p % B]``, cast to
+``dest``'s dtype, so every complete hash block comes out whole and contiguous in its slot.
+``dest`` is the pinned host arena itself (the kernel's stores cross PCIe directly) or, where
+a GPU cannot write host memory, device staging in step-row order that the host places.
+
+The slot planning is on the device (``docs/device_slots.md``): the host hands the launch no
+table, only scalars, and the kernel finds each request's state by its request index (Model
+Runner V2's persistent ``input_batch.idx_mapping``):
 
 * ``ring [N, D]`` int64: entry ``(block << 32) | slot`` at column ``block % D`` of the
   request index's row, ``-1`` where none was written; only the blocks of the last ``D``
@@ -30,8 +38,21 @@ fresh request, which always resets its record.
 Preconditions the host keeps (the kernel cannot check them cheaply): indices are distinct
 within a step, and the queue entries ``head .. queue_tail - 1`` name distinct free slots.
 
-Work split and naming as in ``gather_pack``: one 1-D grid; each program validates and
-writes ``BLOCK_REQS`` requests (job 1) and ``BLOCK_ROWS`` rows (job 2).
+Work split: one 1-D grid of max(cdiv(num_rows bound, BLOCK_ROWS), cdiv(R, BLOCK_REQS))
+programs (host-known bounds; rows past ``query_start_loc[R]`` are masked); every program
+does two independent jobs:
+  * request tile ``pid``: validates ``BLOCK_REQS`` requests, writes their ``step_info`` row,
+    their new ring entries and their records (program 0 also the next head);
+  * row tile ``pid``: ``BLOCK_ROWS`` consecutive capture rows, each mapped to its request by
+    a vectorized binary search over ``query_start_loc`` (log2(R) steps), columns L*K padded
+    to a power of two.
+Failing closed needs a request's status before any of its rows is written, and a request's
+rows may span many row tiles; programs of one launch cannot wait for each other, so every
+row tile recomputes the plan and status of the requests it touches (only the request's
+first row in the tile checks its slots).
+
+Naming: ``o_`` offsets, ``m_`` masks, ``p_`` pointers, ``b_`` loaded blocks; sizes in
+lower case, compile-time block sizes in UPPER case.
 """
 
 from __future__ import annotations
@@ -57,12 +78,11 @@ from r3capture.kernels._common import (
     STATUS_NO_STOCK,
     STATUS_OK,
 )
-from r3capture.kernels._device import kernel_address
-from r3capture.kernels.gather_pack import (
+from r3capture.kernels._device import can_write_host_directly, kernel_address
+from r3capture.kernels._launch import (
     _NUM_WARPS,
     _interpreting,
     _launch_variant,
-    _qsl_is_sane,
     _tile_config,
     direct_launch_supported,
 )
@@ -78,10 +98,32 @@ _HI_MASK = tl.constexpr((1 << RECORD_HI_BITS) - 1)
 _BLOCK_LIMIT = tl.constexpr(BLOCK_LIMIT)
 _SLOT_MASK = tl.constexpr((1 << 32) - 1)
 # Blocks per slot-check tile and requests per prefix-sum chunk: [8, 64] tiles keep every
-# specialization without spills on sm_80-sm_120 (ptxas -v); gather_pack's 512 spill here,
-# where each tile holds several int64 values per element.
+# specialization without spills on sm_80-sm_120 (ptxas -v); the row tiles' 512-wide scans
+# spill here, where each tile holds several int64 values per element.
 _ALLOC_SCAN = 64
 _PLAN_CHUNK = 64
+
+
+@triton.jit
+def _qsl_is_sane(qsl_ptr, num_reqs, SCAN: tl.constexpr):
+    """True when qsl[0] >= 0 and qsl[0..num_reqs] never decreases.
+
+    Rows are mapped to requests by a binary search that is only meaningful on a sorted
+    query_start_loc; anything else fails every request of the launch. Every program checks
+    all of it (num_reqs / SCAN loads of an array that stays in L2).
+    """
+    num_bad = (tl.load(qsl_ptr).to(tl.int64) < 0).to(tl.int32)
+    c0 = num_reqs * 0
+    # A while loop, not range(): Triton 3.6's interpreter (with numpy >= 2.4) cannot use a
+    # runtime value as a range() bound; compiled, it is the same short loop.
+    while c0 < num_reqs:
+        o_q = c0 + tl.arange(0, SCAN)
+        m_q = o_q < num_reqs
+        b_lo = tl.load(qsl_ptr + o_q, mask=m_q, other=0)
+        b_hi = tl.load(qsl_ptr + o_q + 1, mask=m_q, other=0)
+        num_bad += tl.sum((m_q & (b_hi < b_lo)).to(tl.int32), axis=0)
+        c0 += SCAN
+    return num_bad == 0
 
 
 @triton.jit
@@ -180,7 +222,7 @@ def _queue_offsets(
     running = num_reqs.to(tl.int64) * 0
     taken = running
     c0 = num_reqs * 0
-    while c0 < num_reqs:  # not range(): see gather_pack._any_bad_slot
+    while c0 < num_reqs:  # not range(): see _qsl_is_sane
         o_c = c0 + tl.arange(0, CHUNK)
         m_c = o_c < num_reqs
         (
@@ -415,13 +457,22 @@ def _gather_alloc_kernel(
         tl.store(p_dst, b_rows.to(dest_ptr.dtype.element_ty), mask=m_tile)
 
 
-def _check_triton_place(capture: torch.Tensor) -> None:
-    """The Triton kernel runs on a CUDA capture, or under the interpreter."""
+def _check_triton_place(capture: torch.Tensor, host_side: dict[str, torch.Tensor]) -> None:
+    """The Triton kernel runs on a CUDA capture, or under the interpreter; on a GPU, the
+    tensors of ``host_side`` in (pinned) host memory need one that maps it."""
     if not capture.is_cuda and not _interpreting():
         raise ValueError(
             "gather_alloc: impl='triton' needs a CUDA capture or TRITON_INTERPRET=1 "
             f"(capture is on {capture.device}); use impl='reference' or 'auto'"
         )
+    for name, t in host_side.items():
+        if capture.is_cuda and t.device.type == "cpu" and t.numel():
+            if not can_write_host_directly(capture.device):
+                raise ValueError(
+                    f"gather_alloc: {name} is pinned host memory, but kernels on "
+                    f"{capture.device} cannot reach host memory directly (no unified "
+                    "addressing); pass a device tensor (staging for dest)"
+                )
 
 
 # The kernel arguments that change from launch to launch, in the order launch_checked
@@ -437,8 +488,13 @@ class GatherAllocLaunch:
     """``gather_alloc`` with its step-independent arguments validated once (see the module
     docstring for the state): ``capture [T, L, K]``, ``ring [N, D]`` and ``records [N, 2]``
     int64 and ``heads [2]`` int64 on the capture's device, ``queue [Q]`` int32 there or in
-    pinned host memory, ``dest`` (``[S, B, L, K]`` slots or ``[rows, L, K]`` staging) and
-    ``step_info [>= R, 4]`` int32 as ``gather_pack``'s."""
+    pinned host memory, ``dest`` (``[S, B, L, K]`` slots or ``[rows, L, K]`` staging, on the
+    capture's device or in pinned host memory) and ``step_info [>= R, 4]`` int32 (on the
+    capture's device or in pinned host memory).
+
+    The per-step hot path: the step-independent arguments are checked at construction;
+    each call checks only what changes and launches (on a GPU, after the first launch of
+    each per-step type combination, the compiled variant directly: ``_launch``)."""
 
     def __init__(
         self,
@@ -469,7 +525,7 @@ class GatherAllocLaunch:
             impl == "auto" and (capture.is_cuda or _interpreting())
         )
         if self._use_triton:
-            _check_triton_place(capture)
+            _check_triton_place(capture, dict(dest=dest, step_info=step_info, queue=queue))
         if not self._use_triton:
             # The kernel code never depends on its oracle: imported only when chosen.
             self._reference = importlib.import_module("r3capture.kernels.alloc_reference")
@@ -490,9 +546,10 @@ class GatherAllocLaunch:
             num_warps=_NUM_WARPS,
         )  # fmt: skip
         # The variant Triton's JIT picked for each per-step type combination, launched
-        # directly after its first launch (``gather_pack.GatherPackLaunch`` does the same and
-        # says why); none under the interpreter or on a Triton the direct launch is not
-        # tested on.
+        # directly after its first launch (``_launch`` says why); none under the interpreter
+        # or on a Triton the direct launch is not tested on. The step-independent tensors go
+        # to compiled variants as kernel addresses, resolved once: Triton's launcher would
+        # otherwise call data_ptr() and ask the driver for each of them on every launch.
         self._variants: dict[tuple, object] | None = None
         if self._use_triton and not _interpreting():
             self._device_index = capture.device.index
@@ -658,11 +715,40 @@ def gather_alloc(
     """Write each request's accepted rows block-aligned into slots, taking new slots from
     the queue (module docstring: the state, the statuses, the preconditions).
 
-    Args beyond ``gather_pack``'s: ``request_index [>= R]`` int32/int64 on the device (the
-    request's row of ``ring``/``records``), ``fresh [>= R]`` bool/uint8/int32 or None
-    (nonzero: the request's index is new to it), ``launch`` (this launch's serial: 1, 2, ...,
-    strictly increasing over the launches that share the state) and ``queue_tail`` (entries
-    ever put in the queue). No allocation, no host synchronization on the Triton path.
+    Args:
+        capture: [T, L, K] int32 (vLLM's capture buffer), uint8 or uint16; contiguous.
+        query_start_loc: [>= R+1] int32/int64; request r owns rows ``qsl[r] .. qsl[r+1]-1``.
+            Must start at >= 0 and never decrease; otherwise every request is BAD_ROWS.
+        positions: [>= num_rows] int32/int64, the token position of each row (MRV2's
+            ``input_batch.positions``); request r's rows sit at ``positions[qsl[r]] + i``.
+        request_index: [>= R] int32/int64 on the device, the request's row of
+            ``ring``/``records`` (MRV2's ``input_batch.idx_mapping``).
+        ring, records, queue, heads: the state (module docstring).
+        dest: ``[S, B, L, K]`` uint8/uint16 slots (the row of position p goes to
+            ``dest[slot, p % B]``) or ``[>= num_rows, L, K]`` device staging (row t goes to
+            ``dest[t]``); on capture's device, or pinned host memory when
+            ``can_write_host_directly(capture.device)``.
+        step_info: [>= R, 4] int32, out: ``(start or -1, accepted rows or -1, status,
+            queue entries taken)``.
+        num_rejected: [>= R] int32/int64 (rejected speculative rows at the end of each
+            request's range), or None when nothing is rejected.
+        fresh: [>= R] bool/uint8/int32 or None (nonzero: the request's index is new to it).
+        launch: this launch's serial: 1, 2, ..., strictly increasing over the launches that
+            share the state.
+        queue_tail: entries ever put in the queue.
+        num_reqs: R (default ``len(query_start_loc) - 1``).
+        num_rows: bound on the step's row count (default T); sizes the grid. Requests whose
+            rows pass it get status BAD_ROWS, never a silent partial write.
+        hash_block: B; required for the rows layout, else must match ``dest.shape[1]``.
+        num_slots: S, the slots the queue and ring may name; required for the rows layout,
+            else at most ``dest.shape[0]`` (default).
+        impl: "auto" (Triton on CUDA or under TRITON_INTERPRET=1, else the torch reference),
+            "triton" or "reference".
+
+    Row i < a of request r is ``capture[qsl[r] + i]`` cast (wrapping, as torch ``.to``) to
+    ``dest.dtype``. A request with a nonzero status (see ``Status``) writes nothing. No
+    allocation, no host synchronization on the Triton path; raises
+    ``KernelArgumentError`` (a ValueError) naming the argument for a malformed call.
     """
     GatherAllocLaunch(
         capture, ring, records, queue, heads, dest, step_info, hash_block=hash_block,

@@ -12,7 +12,7 @@ import torch
 
 from r3capture.aux_output.device_side import DeviceSide, pick_destination
 from r3capture.aux_output.errors import AuxOutputProtocolError
-from r3capture.kernels import GatherPackArgumentError, Status
+from r3capture.kernels import KernelArgumentError, Status
 from sim.request_indices import RequestIndices
 
 L, K, B = 2, 2, 4
@@ -334,7 +334,7 @@ def test_check_step_refuses_bad_inputs_before_anything_changes():
         ((qsl, positions, index, rejected), 0, "launch"),
     ]
     for inputs, launch, name in bad:
-        with pytest.raises(GatherPackArgumentError) as caught:
+        with pytest.raises(KernelArgumentError) as caught:
             side.check_step(*inputs, num_reqs=1, num_rows=2, launch=launch, queue_tail=8)
         assert caught.value.argument == name
     # Nothing moved: the next step still takes the first buffer and the queue's front.

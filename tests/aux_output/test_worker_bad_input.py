@@ -21,7 +21,7 @@ from r3capture.aux_output.call_checks import checked_emit_starts
 from r3capture.aux_output.sizing import WorkerSizing
 from r3capture.aux_output.types import PackedBlockHashes
 from r3capture.aux_output.worker import TritonAuxOutputWorker
-from r3capture.kernels import GatherPackArgumentError
+from r3capture.kernels import KernelArgumentError
 
 SETTINGS = settings(
     max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
@@ -436,7 +436,7 @@ def test_malformed_device_rejected_counts_are_named_and_change_nothing(value):
     _first_step(worker), _first_step(twin)
     worker.begin_step(meta({"b": 3}))
     worker.set_step_num_rejected(value)
-    with pytest.raises(GatherPackArgumentError, match="^gather_alloc: num_rejected ") as info:
+    with pytest.raises(KernelArgumentError, match="^gather_alloc: num_rejected ") as info:
         worker.prepare_output(batch_of(worker, **_batch_fields()))
     assert info.value.argument == "num_rejected"
     # The counts were for that call only, and the refused call left nothing in flight.

@@ -33,13 +33,14 @@ def _case_id(case) -> str:
 
 
 def check_worker_inputs(step: kb.Step, sizes: kb.Sizes) -> None:
-    """The inputs the worker would pass: one table row per request, its row of block_window
-    covering its scheduled rows (the empty window elsewhere), distinct slots, each row's
-    position on the device."""
+    """The inputs the worker would pass: a distinct request index per request (below
+    max_num_seqs), each row's position on the device, and a queue of distinct arena slots,
+    one per block of the step's accepted rows (every request new to its index)."""
     host = {k: v.cpu() for k, v in step.inputs.items() if v is not None}
     reqs, block = step.reqs, step.block
     rows = np.array([r.rows for r in reqs])
     starts = np.array([r.start for r in reqs])
+    accepted = rows - np.array([r.rejected for r in reqs])
     qsl = host["query_start_loc"].numpy()
     assert qsl.tolist() == [0, *np.cumsum(rows).tolist()]
     assert step.num_rows <= sizes.max_tokens and len(reqs) <= sizes.max_seqs
@@ -56,24 +57,17 @@ def check_worker_inputs(step: kb.Step, sizes: kb.Sizes) -> None:
         expected[qsl[r] : qsl[r + 1]] = np.arange(req.start, req.start + req.rows)
     assert positions.tolist() == expected.tolist()
 
-    ring = host["slot_table"].numpy()
-    width = kb.ring_width(sizes.max_tokens, block)
-    assert ring.shape == (sizes.max_seqs + 1, width)
-    table_row = host["table_row"].numpy()
-    assert len(set(table_row.tolist())) == len(reqs)
-    assert ((0 <= table_row) & (table_row < ring.shape[0])).all()
-    window = host["block_window"].numpy()
-    assert window.shape == (sizes.max_seqs + 1, 2)
-    lo, hi = window[table_row].T
-    assert lo.tolist() == (starts // block).tolist()
-    assert hi.tolist() == ((starts + rows - 1) // block).tolist()
-    assert (hi - lo < width).all()
-    unused = np.setdiff1d(np.arange(ring.shape[0]), table_row)
-    assert (window[unused] == [0, -1]).all(), "a row without a request may write a block"
-    slots = [int(ring[table_row[r], b % width]) for r in range(len(reqs)) for b in
-             range(lo[r], hi[r] + 1)]  # fmt: skip
-    assert len(set(slots)) == len(slots), "two blocks of the step share a slot"
-    assert all(0 <= s < step.num_slots for s in slots)
+    index = host["request_index"].numpy()
+    assert len(set(index.tolist())) == len(reqs)
+    assert ((0 <= index) & (index < sizes.max_seqs)).all()
+    assert step.num_indices == sizes.max_seqs
+    assert step.ring_width == kb.ring_width(sizes.max_tokens, block)
+    blocks = (starts + accepted - 1) // block - starts // block + 1
+    assert (blocks <= step.ring_width).all()
+    queue = step.queue_slots.numpy()
+    assert queue.dtype == np.int32 and len(queue) == blocks.sum() == step.queue_size
+    assert len(set(queue.tolist())) == len(queue), "two blocks of the step share a slot"
+    assert ((0 <= queue) & (queue < step.num_slots)).all()
 
     rejected = host.get("num_rejected")
     if step.kind.startswith("spec"):
@@ -123,14 +117,15 @@ def test_gate_passes_on_tiny_steps(case) -> None:
 
 @pytest.mark.parametrize("kind", ["decode-5", "prefill", "spec-k3"])
 def test_launcher_leaves_the_gates_bytes_launch_after_launch(kind: str) -> None:
-    # bench_step times step.launcher (GatherPackLaunch) and checks what the timed launches
-    # left against the gate's expectation: that holds only if every launch writes the same.
+    # bench_step times step.launcher (GatherAllocLaunch) and checks what the timed launches
+    # left against the gate's expectation: that holds only if every launch writes the same
+    # (each takes the same slots from the refilled queue).
     step = kb.build_step(U16, kind, sizes=TINY, device="cpu", seed=9)
     expected = kb.expected_outputs(step, kb.vllm_host_rows(step))
     for layout in ("slots", "rows"):
         dest, info = step.new_output(layout, "cpu"), step.new_output("info", "cpu")
         launch = step.launcher(dest, info)
-        for _ in range(2):
+        for _ in range(3):
             launch()
             assert kb.compare(expected, {"launcher": {layout: dest, "info": info}}) == []
     dest = step.new_output("slots", "cpu")
@@ -147,28 +142,28 @@ def _spec_step() -> kb.Step:
 
 
 def test_gate_names_a_wrong_byte_in_the_kernel_arena(monkeypatch) -> None:
-    real = kb.gather_pack
+    real = kb.gather_alloc
 
     def flips_a_byte(**args):
         real(**args)
         if args["dest"].dim() == 4:
             args["dest"].view(-1)[0] ^= 1
 
-    monkeypatch.setattr(kb, "gather_pack", flips_a_byte)
+    monkeypatch.setattr(kb, "gather_alloc", flips_a_byte)
     problem = kb.gate(_spec_step())
     assert problem is not None and "r3capture-kernel slots" in problem
     assert "reference" not in problem
 
 
 def test_gate_names_a_missing_staging_row(monkeypatch) -> None:
-    real = kb.gather_pack
+    real = kb.gather_alloc
 
     def drops_row_0(**args):
         real(**args)
         if args["dest"].dim() == 3:
             args["dest"][0] = kb.DEST_SENTINEL[args["dest"].dtype]
 
-    monkeypatch.setattr(kb, "gather_pack", drops_row_0)
+    monkeypatch.setattr(kb, "gather_alloc", drops_row_0)
     problem = kb.gate(_spec_step())
     assert problem is not None and problem.startswith("r3capture-staging rows")
 

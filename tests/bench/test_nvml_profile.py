@@ -30,9 +30,12 @@ def test_provider_steps_pass_their_check_on_cpu(provider: str, model) -> None:
         state.run(step, plan)
         assert state.check(step, plan) is None, f"step {i}"
         if provider.startswith("r3capture"):
-            # The device windows of the step's table rows are the host's.
-            window = state.window[torch.from_numpy(plan.table_row)]
-            assert window.tolist() == np.stack([plan.block_lo, plan.block_hi], 1).tolist()
+            # The ring rows of the step's request indices hold the slots its blocks took.
+            ring = state.side._ring.cpu().numpy()
+            last_of = np.cumsum(plan.block_hi - plan.block_lo + 1) - 1
+            entries = ring[plan.request_index, plan.block_hi % ring.shape[1]]
+            assert (entries >> 32).tolist() == plan.block_hi.tolist()
+            assert (entries & 0xFFFFFFFF).tolist() == plan.block_slots[last_of].tolist()
 
 
 @pytest.mark.parametrize("limits", [TINY, nv.PROFILE], ids=["tiny", "profile"])
@@ -47,16 +50,16 @@ def test_plans_are_the_workers(limits: nv.Limits) -> None:
         assert plan.positions.tolist() == [
             s + i for s, n in zip(starts.tolist(), rows.tolist()) for i in range(n)
         ]
+        accepted = rows - step.rejected
         assert (plan.block_lo == starts // B).all()
-        assert (plan.block_hi == (starts + rows - 1) // B).all()
-        assert len(set(plan.table_row.tolist())) == len(rows)
-        assert plan.table_row.max() <= limits.max_seqs
+        assert (plan.block_hi == (starts + accepted - 1) // B).all()
+        assert (plan.block_hi - plan.block_lo < width).all()
+        assert len(set(plan.request_index.tolist())) == len(rows)
+        assert plan.request_index.max() < limits.max_seqs
         num_blocks = int((plan.block_hi - plan.block_lo + 1).sum())
-        assert len(plan.block_slots) == len(plan.ring_index) == num_blocks
+        assert len(plan.block_slots) == num_blocks
         assert len(set(plan.block_slots.tolist())) == num_blocks  # distinct slots
         assert plan.block_slots.max() < limits.max_slots
-        assert len(set(plan.ring_index.tolist())) == num_blocks  # no ring entry written twice
-        assert plan.ring_index.max() < (limits.max_seqs + 1) * width
         assert ((0 <= step.rejected) & (step.rejected < rows)).all()
     n = limits.max_seqs
     assert kinds == {(n, n, False), (4, limits.max_tokens, False), (n, 4 * n, True)}

@@ -1,4 +1,4 @@
-"""``GatherPackLaunch`` launches the variant Triton's JIT would, with the same arguments.
+"""``GatherAllocLaunch`` launches the variant Triton's JIT would, with the same arguments.
 
 After its first launch per per-step dtype combination, the launcher calls the compiled
 variant directly instead of going through Triton's JIT (``bench.run triton_launch``: ~11 µs
@@ -31,14 +31,14 @@ import torch
 import triton
 from bench.models import MODELS
 from bench.no_gpu_driver import no_gpu_driver
-from r3capture.kernels.gather_pack import _gather_pack_kernel
+from r3capture.kernels.gather_alloc import _gather_alloc_kernel
 
 jit_runs = []
-jit_run = type(_gather_pack_kernel).run
+jit_run = type(_gather_alloc_kernel).run
 def counted_run(self, *args, **kwargs):
     jit_runs.append(1)
     return jit_run(self, *args, **kwargs)
-type(_gather_pack_kernel).run = counted_run
+type(_gather_alloc_kernel).run = counted_run
 """
 
 _SCRIPT = (
@@ -46,7 +46,7 @@ _SCRIPT = (
     + r"""
 from bench.triton_launch import jit_launch, make_launch
 import importlib
-gather_pack_module = importlib.import_module("r3capture.kernels.gather_pack")  # not the function
+gather_alloc_module = importlib.import_module("r3capture.kernels.gather_alloc")  # not the function
 
 def same_value(x, y):
     if hasattr(x, "data") and hasattr(x, "extras"):  # launch metadata: made anew per launch
@@ -64,7 +64,7 @@ static_address = {}
 def stand_in_address(tensor):
     static_address[tensor.data_ptr()] = tensor
     return tensor.data_ptr()
-gather_pack_module.kernel_address = stand_in_address
+gather_alloc_module.kernel_address = stand_in_address
 
 model = [m for m in MODELS if m.name == "Qwen3-30B-A3B"][0]
 steps = []
@@ -82,25 +82,27 @@ def hook(metadata):
     pass
 with no_gpu_driver(90, record=True) as driver:
     launch, _ = make_launch(model, pass_rejected=False)
-    for num_reqs, qsl_dtype, pos_dtype, rejected_dtype, offset in steps:
+    for serial, (num_reqs, qsl_dtype, pos_dtype, rejected_dtype, offset) in enumerate(steps):
         # offset 1: the tensors start 4 or 8 bytes into a buffer (not 16-byte aligned).
         qsl = torch.arange(num_reqs + 1 + offset, dtype=qsl_dtype)[offset:] - offset
         positions = torch.zeros(8192 + offset, dtype=pos_dtype)[offset:]
+        index = torch.arange(num_reqs + offset, dtype=torch.int64)[offset:] - offset
         rejected = None
         if rejected_dtype is not None:
             rejected = torch.zeros(num_reqs + offset, dtype=rejected_dtype)[offset:]
-        shape = launch.check_step(qsl, positions, rejected, num_rows=num_reqs)
+        shape = launch.check_step(qsl, positions, index, rejected, None, launch=serial + 1,
+                                  queue_tail=7, num_rows=num_reqs)
         # Some steps with a launch hook set (as a profiler sets one): then the launcher must
         # pass Triton's hooks and metadata as the JIT does; without one, none of them.
         hooked = offset == 1 and num_reqs == 5
         if hooked:
             triton.knobs.runtime.launch_enter_hook.add(hook)
         before = len(jit_runs)
-        launch.launch_checked(shape, qsl, positions, rejected)
+        launch.launch_checked(shape, qsl, positions, index, rejected, None)
         through_jit = len(jit_runs) - before
         report["launcher_jit_runs"] += through_jit
         ours = driver.launches.pop()
-        variant = jit_launch(launch, shape, qsl, positions, rejected)
+        variant = jit_launch(launch, shape, qsl, positions, index, rejected)
         theirs = driver.launches.pop()
         if hooked:
             triton.knobs.runtime.launch_enter_hook.remove(hook)
@@ -146,9 +148,9 @@ def test_direct_launch_matches_tritons_jit(tmp_path) -> None:
         "hooked_steps": 2 * 2 * 3,
         "keys": 2 * 2 * 3,
         "no_launch_left": True,
-        # capture, table_row, slot_table, block_window, dest, step_info
-        "addresses": 6,
-        "passed_as_addresses": 6,
+        # capture, ring, records, queue, heads, dest, step_info
+        "addresses": 7,
+        "passed_as_addresses": 7,
     }
 
 
@@ -163,11 +165,13 @@ report = {"steps": 0, "jit_runs": 0, "driver_launches": 0}
 with no_gpu_driver(90, record=True) as driver:
     launch, _ = make_launch(model, pass_rejected=False)
     report["direct"] = launch._variants is not None
-    for num_reqs in (1, 5, 5, 16, 16):
+    for serial, num_reqs in enumerate((1, 5, 5, 16, 16)):
         qsl = torch.arange(num_reqs + 1, dtype=torch.int32)
         positions = torch.zeros(8192, dtype=torch.int64)
-        shape = launch.check_step(qsl, positions, None, num_rows=num_reqs)
-        launch.launch_checked(shape, qsl, positions, None)
+        index = torch.arange(num_reqs, dtype=torch.int32)
+        shape = launch.check_step(qsl, positions, index, None, None, launch=serial + 1,
+                                  queue_tail=7, num_rows=num_reqs)
+        launch.launch_checked(shape, qsl, positions, index, None, None)
         report["steps"] += 1
     report["jit_runs"] = len(jit_runs)
     report["driver_launches"] = len(driver.launches)
@@ -182,7 +186,7 @@ print(json.dumps(report))
      ("3.8.0", False), ("3.10.0", False), ("4.0.0", False)],
 )  # fmt: skip
 def test_the_direct_launch_is_kept_to_tested_triton_releases(version: str, direct: bool) -> None:
-    from r3capture.kernels.gather_pack import direct_launch_supported
+    from r3capture.kernels._launch import direct_launch_supported
 
     assert direct_launch_supported(version) is direct
 
@@ -215,7 +219,7 @@ def stand_in_address(tensor):
     static_address[tensor.data_ptr()] = tensor
     return tensor.data_ptr()
 alloc.kernel_address = stand_in_address
-alloc._check_triton_place = lambda capture: None  # nothing runs on the no-GPU driver
+alloc._check_triton_place = lambda *args: None  # nothing runs on the no-GPU driver
 
 def same_value(x, y):
     if hasattr(x, "data") and hasattr(x, "extras"):  # launch metadata: made anew per launch

@@ -375,6 +375,12 @@ def _valid_call():
 BAD_CALLS = {
     "ring-int32": ("ring", lambda a: a["ring"].int(), "ring must be of dtype int64"),
     "ring-col-strided": ("ring", lambda a: a["ring"].t().contiguous().t(), "ring must be"),
+    # The kernel reads a request's records at index * 2.
+    "records-strided-rows": (
+        "records",
+        lambda a: torch.zeros(4, 4, dtype=torch.int64)[:, :2],
+        "records must be \\[N, 2\\].*dense rows",
+    ),
     "records-3-cols": (
         "records",
         lambda a: torch.zeros(4, 3, dtype=torch.int64),
@@ -395,7 +401,7 @@ BAD_CALLS = {
     "tail-negative": ("queue_tail", lambda a: -1, "queue_tail must be an int >= 0"),
     "records-aliasing-ring": (
         "records",
-        lambda a: a["ring"][:, :2],
+        lambda a: a["ring"].view(-1)[: 2 * a["ring"].shape[0]].view(-1, 2),
         "ring must be memory apart from records",
     ),
 }

@@ -1,13 +1,14 @@
-"""The CUDA-graph replay script of test_gather_pack_gpu.py, run on the CPU without the graph:
-one set of static tensors, each step's inputs and poisoned outputs loaded into them, the same
-launch repeated with the host-side values fixed at capture. A graph replays exactly that."""
+"""The CUDA-graph replay script of test_gather_alloc_gpu.py, run on the CPU without the
+graph: one set of static tensors, each launch's inputs, state and poisoned outputs loaded
+into them, the same launch repeated with the host-side values (serial, queue tail, counts)
+fixed at capture. A graph replays exactly that."""
 
 from __future__ import annotations
 
 import pytest
-from gather_pack_cases import (
+from gather_alloc_cases import (
     STEP_INPUTS,
-    assert_same_bytes,
+    assert_state,
     build,
     clone_args,
     graph_script,
@@ -15,14 +16,14 @@ from gather_pack_cases import (
     prepared_launch,
 )
 
-from r3capture.kernels import gather_pack
+from r3capture.kernels import gather_alloc
 
 
-def _packer(static: dict, via: str):
-    """gather_pack over ``static``: one-shot, or the worker's GatherPackLaunch built once."""
+def _launcher(static: dict, via: str):
+    """gather_alloc over ``static``: one-shot, or the worker's GatherAllocLaunch built once."""
     if via == "prepared":
         return prepared_launch(static, impl="triton")
-    return lambda: gather_pack(**static, impl="triton")
+    return lambda: gather_alloc(**static, impl="triton")
 
 
 @pytest.mark.parametrize("via", ["one-shot", "prepared"])
@@ -30,14 +31,13 @@ def _packer(static: dict, via: str):
 def test_steps_replayed_through_static_tensors(rows_layout: bool, via: str) -> None:
     (case, seed), *replays = graph_script(rows_layout)
     static = clone_args(build(case, seed=seed)["args"])
-    pack = _packer(static, via)
-    pack()  # the launch a graph would capture
+    launch = _launcher(static, via)
+    launch()  # the launch a graph would capture
     for case, seed in replays:
         fresh = build(case, seed=seed)
         load_step(static, fresh["args"])
-        pack()
-        assert_same_bytes(f"{case.id} dest", static["dest"], fresh["expected_dest"])
-        assert_same_bytes(f"{case.id} step_info", static["step_info"], fresh["expected_info"])
+        launch()
+        assert_state(case.id, static, fresh["expected"])
 
 
 def test_every_replay_changes_every_input_the_kernel_reads() -> None:
@@ -56,3 +56,5 @@ def test_load_step_refuses_a_step_the_graph_cannot_replay() -> None:
         load_step(static, dict(other, num_reqs=2))
     with pytest.raises(AssertionError, match="dest"):
         load_step(static, dict(other, dest=other["dest"][:-1]))
+    with pytest.raises(AssertionError, match="launch"):
+        load_step(static, dict(other, launch=other["launch"] + 1))
