@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from r3capture.aux_output import compat
+from r3capture.aux_output import compat, pd
 from r3capture.aux_output.sizing import REATTACH_TOKENS, WorkerSizing
 
 logger = logging.getLogger("vllm.r3capture")
@@ -114,6 +114,7 @@ def build_worker(
         device=capturer.device_buffer.device,
         capture_buffer=capturer.device_buffer,
         is_output_rank=is_output_rank,
+        partial_first_ok=pd.selected_pd(vllm_config) == "splice",
     )
     if pp.world_size > 1:
         worker.pipeline_relay = _pipeline_relay(vllm_config, capturer, pp)

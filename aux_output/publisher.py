@@ -64,6 +64,10 @@ class Publisher:
             # A request without a cursor (-1) gets min(.., -1) - base < 0: nothing ready.
             cursor_blocks = table.cursor[rows] // self._block_size
             ready = np.minimum(table.num_keys[rows], cursor_blocks) - table.base[rows]
+            if table.num_partial:
+                # A partial first block (P/D decoders) is never published, and blocks
+                # come out in order: nothing until it leaves (``RequestBook.commit``).
+                ready[table.partial[rows] > 0] = 0
             chosen = (ready > 0).nonzero()[0]
             if chosen.size:
                 rows, ready = rows[chosen], ready[chosen]

@@ -55,8 +55,11 @@ class RequestBook:
         destination: str,
         output_pool_bytes: int | None,
         wait_for_device_writes: Callable[[], None],
+        partial_first_ok: bool = False,
     ) -> None:
         self.sizing = sizing
+        # A request's first capture may start inside a hash block (P/D decoders).
+        self._partial_first_ok = partial_first_ok
         B = self._block_size = sizing.hash_block_size
         self.destination = destination
         depth = sizing.max_concurrent_batches
@@ -309,7 +312,13 @@ class RequestBook:
         # checks find.
         self._take_new_slots(layout, launched, step_info)
         plan = commit_step(
-            layout, self.table, num_sampled, num_rejected, step_info, self._block_size
+            layout,
+            self.table,
+            num_sampled,
+            num_rejected,
+            step_info,
+            self._block_size,
+            self._partial_first_ok,
         )
         if staged_rows is not None:
             self._reader.place_staged(layout, step_info, staged_rows)
@@ -328,6 +337,8 @@ class RequestBook:
             emit_start, token_end = int(plan.emit_starts[i]), int(plan.token_ends[i])
             rows = self._reader.materialize(request_id, int(layout.rows[i]), emit_start, token_end)
             outputs[request_id] = AuxRequestOutput(emit_start, rows)
+        if self.table.num_partial:
+            self._drop_partial_blocks(layout.rows)
         self.device_side.count_transfer(launched, plan.rows_written)
         self._queue.refill()
         return outputs
@@ -346,8 +357,22 @@ class RequestBook:
         grew = taken.nonzero()[0]
         rows = layout.rows[grew]
         ends = self.table.end[rows]
-        firsts = np.where(ends == 0, step_info[grew, 0].astype(np.int64) // self._block_size, ends)
+        starts = step_info[grew, 0].astype(np.int64)
+        firsts = np.where(ends == 0, starts // self._block_size, ends)
         self.table.extend(rows, firsts, taken[grew].astype(np.int64), slots)
+        if self._partial_first_ok:
+            partial = ((ends == 0) & (starts % self._block_size != 0)).nonzero()[0]
+            if partial.size:
+                self.table.mark_partial_first(rows[partial], starts[partial])
+
+    def _drop_partial_blocks(self, rows: np.ndarray) -> None:
+        """P/D decoders: a partial first block whose rows were all returned leaves the ring
+        (its slot back to the reserve), and the blocks it held back are published."""
+        dropped, slots = self.table.drop_partial_first(rows, self._block_size)
+        if dropped.size:
+            self._publisher.free(slots)
+            self._publisher.publish(dropped)
+            self._publisher.flush()
 
     def settle(self, layout: StepLayout, launched: LaunchedStep, *, teardown: bool) -> None:
         """The step is no longer in flight; with ``teardown``, requests that finished while

@@ -33,13 +33,15 @@ class RequestTable:
         capacity: initial number of rows (doubles when full).
     """
 
-    _INT_FIELDS = ("cursor", "scheduled", "emit", "base", "end", "num_keys")
+    _INT_FIELDS = ("cursor", "scheduled", "emit", "base", "end", "num_keys", "partial")
 
     def __init__(self, ring_width: int, capacity: int = 64) -> None:
         self.ring_width = int(ring_width)
         self.index: dict[str, int] = {}
         # Rows added and not yet named by a launch (``take_fresh``).
         self.num_unlaunched = 0
+        # Rows whose first block is partial (``mark_partial_first``) and not yet dropped.
+        self.num_partial = 0
         self._keys: list[list[bytes]] = []
         self._free_rows: list[int] = []
         self._capacity = 0
@@ -50,9 +52,11 @@ class RequestTable:
         # end of the last scheduled range; emit: first row not yet returned; base: first
         # unbound block; end: one past the last
         # block with a slot (0 until the request takes its first slots); num_keys: store
-        # keys known (one per hash block).
+        # keys known (one per hash block); partial: one past the first captured position
+        # when the request's first capture started inside a block (that block is never
+        # published), else 0.
         self.cursor = self.scheduled = self.emit = np.empty(0, np.int64)
-        self.base = self.end = self.num_keys = np.empty(0, np.int64)
+        self.base = self.end = self.num_keys = self.partial = np.empty(0, np.int64)
         # finished: the scheduler finished it; launched: a launch has named it (until then
         # its request index may hold an earlier request's device state).
         self.finished = self.launched = np.empty(0, bool)
@@ -151,6 +155,9 @@ class RequestTable:
         self.scheduled[taken] = self.emit[taken] = 0
         self.base[taken] = self.end[taken] = self.num_keys[taken] = 0
         self.finished[taken] = self.launched[taken] = False
+        if self.num_partial:
+            self.num_partial -= int(np.count_nonzero(self.partial[taken]))
+            self.partial[taken] = 0
         self._free_rows.extend(rows)
         return slots
 
@@ -219,6 +226,35 @@ class RequestTable:
         self.ring[row_of, block % self.ring_width] = slots
         self.base[rows] = bases
         self.end[rows] = lasts
+
+    def mark_partial_first(self, rows: np.ndarray, first_positions: np.ndarray) -> None:
+        """Rows (int64, distinct, each with its first block just taken by ``extend``) whose
+        first capture started at ``first_positions`` (int64), inside that block: its earlier
+        rows were never captured, so the block is never published; ``drop_partial_first``
+        frees it once its rows were returned."""
+        self.partial[rows] = first_positions + 1
+        self.num_partial += len(rows)
+
+    def partial_start(self, row: int) -> int | None:
+        """The first captured position of ``row`` while its partial first block is held."""
+        marked = int(self.partial[row]) if self.num_partial else 0
+        return marked - 1 if marked else None
+
+    def drop_partial_first(
+        self, rows: np.ndarray, block_size: int
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """Of ``rows`` (int64, distinct), the partial first blocks whose captured rows are
+        all in and returned (cursor and emit cursor past the block) leave the ring; returns
+        their rows and slots (int64), the slots for the store's reserve."""
+        marked = self.partial[rows]
+        ends = ((marked - 1) // block_size + 1) * block_size  # the partial block's end
+        done = (marked > 0) & (np.minimum(self.cursor[rows], self.emit[rows]) >= ends)
+        dropped = rows[done]
+        if not dropped.size:
+            return dropped, _NO_SLOTS
+        self.partial[dropped] = 0
+        self.num_partial -= len(dropped)
+        return dropped, self.take_leading(dropped, np.ones(len(dropped), np.int64))
 
     def take_leading(self, rows: np.ndarray, counts: np.ndarray) -> np.ndarray:
         """Hand the first ``counts[i]`` unbound blocks of each ``rows[i]`` (distinct; int64

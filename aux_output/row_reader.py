@@ -125,6 +125,9 @@ class RowReader:
         ``BlockObjectStoreError`` (fail closed)."""
         B = self._block_size
         table = self._table
+        partial_start = table.partial_start(row)
+        if partial_start is not None:
+            return self._read_unbound(request_id, row, partial_start, emit_start, token_end)
         stored_end = min(token_end // B, int(table.num_keys[row])) * B
         out = self._pool.empty((token_end - emit_start, *self._shape), self._dtype)
         read_from = emit_start
@@ -160,6 +163,24 @@ class RowReader:
             positions = np.arange(read_from, token_end, dtype=np.int64)
             index = table.arena_rows(np.full(len(positions), row), positions, B)
             out[read_from - emit_start :] = self._arena_rows()[index]
+        return out
+
+    def _read_unbound(
+        self, request_id: str, row: int, first: int, emit_start: int, token_end: int
+    ) -> np.ndarray:
+        """Rows ``emit_start .. token_end`` of a request whose partial first block (its
+        capture began at ``first``, inside a block) is still held: nothing of it is
+        published yet, so every row it captured is in its unbound blocks. Rows before
+        ``first`` were never captured here: fail closed."""
+        if emit_start < first:
+            raise AuxOutputProtocolError(
+                f"auxiliary output rows [{emit_start}, {first}) of request {request_id} were "
+                "not computed here: its first capture began at the KV it received"
+            )
+        positions = np.arange(emit_start, token_end, dtype=np.int64)
+        index = self._table.arena_rows(np.full(len(positions), row), positions, self._block_size)
+        out = self._pool.empty((len(positions), *self._shape), self._dtype)
+        out[...] = self._arena_rows()[index]
         return out
 
     def place_staged(self, layout: StepLayout, step_info: np.ndarray, staged: np.ndarray) -> None:

@@ -95,19 +95,23 @@ def commit_step(
     num_rejected: np.ndarray,
     step_info: np.ndarray | None,
     block_size: int,
+    partial_first_ok: bool = False,
 ) -> CommitPlan:
     """Check one step and move the cursors of its requests in ``table``.
 
     ``num_sampled``/``num_rejected``: the host counts, 1-D integer arrays of ``>= R``
     entries (``process_output`` checked them with ``check_host_counts``); ``step_info``:
     the kernel's ``int32 [R, 4]`` (start, rows written or -1, status, slots taken) or None
-    for an empty step. Raises ``AuxOutputProtocolError`` without changing ``table``.
+    for an empty step. ``partial_first_ok``: a request's first capture may start inside a
+    hash block (a P/D decoder whose prompt KV came from a prefiller; vLLM refuses it).
+    Raises ``AuxOutputProtocolError`` without changing ``table``.
     """
+    args = (layout, table, num_sampled, num_rejected, step_info, block_size, partial_first_ok)
     if len(layout.rows) <= PER_REQUEST_MAX:
-        plan = _commit_per_request(layout, table, num_sampled, num_rejected, step_info, block_size)
+        plan = _commit_per_request(*args)
         if plan is not None:
             return plan
-    return _commit_vectorized(layout, table, num_sampled, num_rejected, step_info, block_size)
+    return _commit_vectorized(*args)
 
 
 def _commit_per_request(
@@ -117,6 +121,7 @@ def _commit_per_request(
     num_rejected: np.ndarray,
     step_info: np.ndarray | None,
     block_size: int,
+    partial_first_ok: bool,
 ) -> CommitPlan | None:
     """``commit_step`` as a loop over the requests; None (and ``table`` unchanged) when any
     check fails."""
@@ -146,7 +151,7 @@ def _commit_per_request(
             or r < 0
             or start < cursor
             or (start > cursor and cursor >= scheduled[i])
-            or (fresh and accepted > 0 and capture % block_size != 0)
+            or (fresh and accepted > 0 and capture % block_size != 0 and not partial_first_ok)
         ):
             return None
         if placed is not None:
@@ -186,6 +191,7 @@ def _commit_vectorized(
     num_rejected: np.ndarray,
     step_info: np.ndarray | None,
     block_size: int,
+    partial_first_ok: bool,
 ) -> CommitPlan:
     """``commit_step`` as vector operations over the requests."""
     rows, starts, num_tokens = layout.rows, layout.token_starts, layout.num_tokens
@@ -201,7 +207,8 @@ def _commit_vectorized(
     bad |= num_tokens <= 0
     bad |= starts < cursor
     bad |= (starts > cursor) & (cursor >= table.scheduled[rows])
-    bad |= fresh & (accepted > 0) & (capture_starts % block_size != 0)
+    if not partial_first_ok:
+        bad |= fresh & (accepted > 0) & (capture_starts % block_size != 0)
     rows_written = 0
     if step_info is not None:
         # The kernel placed every accepted row where the host expects it.
@@ -212,8 +219,9 @@ def _commit_vectorized(
         rows_written = int(np.add.reduce(written, dtype=np.int64))
     if bad.any():
         _raise_first_error(
-            layout, table, fresh, cursor, bad, step_info, capture_starts, accepted, block_size
-        )
+            layout, table, fresh & (not partial_first_ok), cursor, bad, step_info,
+            capture_starts, accepted, block_size,
+        )  # fmt: skip
     token_ends = capture_starts + accepted
     emit_starts = table.emit[rows]
     emits = (sampled > 0) & (emit_starts <= token_ends)

@@ -90,6 +90,10 @@ class TritonAuxOutputWorker:
         kernel_impl: ``triton`` | ``reference`` | ``auto``/None (env R3CAPTURE_KERNEL_IMPL).
         output_pool_bytes: host bytes kept for recycling large output arrays once their
             consumers drop them; None reads R3CAPTURE_OUTPUT_POOL_BYTES, 0 turns it off.
+        partial_first_ok: a request's first capture may start inside a hash block (P/D
+            decoders under ``--aux-output-pd splice``, whose prompt KV came from a prefiller
+            that trimmed the prompt); that block is never published. vLLM refuses such a
+            capture, and so does the worker without it.
     """
 
     def __init__(
@@ -102,6 +106,7 @@ class TritonAuxOutputWorker:
         destination: str | None = None,
         kernel_impl: str | None = None,
         output_pool_bytes: int | None = None,
+        partial_first_ok: bool = False,
     ) -> None:
         if not isinstance(sizing, WorkerSizing):
             raise TypeError(f"sizing must be a WorkerSizing, got {type(sizing).__name__}")
@@ -129,6 +134,7 @@ class TritonAuxOutputWorker:
                 ),
                 output_pool_bytes=output_pool_bytes,
                 wait_for_device_writes=self._wait_for_device_writes,
+                partial_first_ok=partial_first_ok,
             )
             self.device_side = self._book.make_device_side(self.capture_buffer, kernel_impl)
 

@@ -296,6 +296,71 @@ def test_prefix_hit_materializes_from_the_store():
     worker.close()
 
 
+def test_a_decoders_partial_first_block_is_returned_and_never_published():
+    """P/D splice: a decoder's first capture starts inside a hash block (the prefiller
+    trimmed the prompt, its KV covers rows 0..5). Its rows come back from row 6; the partial
+    block 1 (rows 4..7) never reaches the store, so a later hit on it fails closed rather
+    than returning rows 4 and 5 that nobody captured; the next whole block is published."""
+    worker = make_worker(partial_first_ok=True)
+    out = run_step(worker, meta({"d": 6}, {"d": hashes(2, range(3))}), [("d", 2, 6, 4)])
+    assert out["d"].token_start == 6
+    assert np.array_equal(out["d"].rows, routes(2, 6, 4).astype(np.uint8))
+    # Block 1 is complete and its rows returned: it left the ring, unpublished.
+    assert worker._book.table.num_partial == 0
+    assert worker.store.peek_slot(key_of(0, 2, 1)) is None
+    out = run_step(worker, meta({"d": 10}), [("d", 2, 10, 2)])
+    assert np.array_equal(out["d"].rows, routes(2, 10, 2).astype(np.uint8))
+    assert worker.store.peek_slot(key_of(0, 2, 1)) is None
+    assert worker.store.ref_count(key_of(0, 2, 2)) == 1
+    # A hit on block 2 reads the decoder's rows of it; one on block 1 fails closed.
+    out = run_step(worker, meta({"e": 8}, {"e": hashes(2, range(4))}), [("e", 5, 12, 2)])
+    expected = np.concatenate([routes(2, 8, 4), routes(5, 12, 2)]).astype(np.uint8)
+    assert out["e"].token_start == 8 and np.array_equal(out["e"].rows, expected)
+    with pytest.raises(Exception, match="evicted|max_bytes"):
+        run_step(worker, meta({"f": 4}, {"f": hashes(2, range(4))}), [("f", 6, 12, 2)])
+    worker.close()
+
+
+def test_a_partial_first_block_waits_for_its_rows_to_be_returned():
+    """A chunk that samples nothing completes the partial block without returning its rows:
+    the block stays unpublished (and keeps the blocks after it unpublished) until a later
+    step returns them, then leaves."""
+    worker = make_worker(partial_first_ok=True)
+    run_step(worker, meta({"d": 6}, {"d": hashes(2, range(3))}), [("d", 2, 6, 4)], sampled=[0])
+    assert worker._book.table.num_partial == 1
+    assert worker.store.peek_slot(key_of(0, 2, 1)) is None
+    out = run_step(worker, meta({"d": 6}), [("d", 2, 10, 2)])
+    assert out["d"].token_start == 6
+    assert np.array_equal(out["d"].rows, routes(2, 6, 6).astype(np.uint8))
+    assert worker._book.table.num_partial == 0
+    assert worker.store.peek_slot(key_of(0, 2, 1)) is None
+    assert worker.store.ref_count(key_of(0, 2, 2)) == 1
+    worker.close()
+
+
+def test_a_first_capture_inside_a_block_is_refused_without_pd_splice():
+    worker = make_worker()
+    with pytest.raises(AuxOutputProtocolError, match="hash-block boundary"):
+        run_step(worker, meta({"d": 6}), [("d", 2, 6, 4)])
+    worker.close()
+
+
+def test_a_partial_first_block_blocks_publication_until_it_leaves():
+    """Until the partial first block leaves, no block of the request is published (blocks
+    are published in order); a decoder torn down before it completes frees its slot."""
+    worker = make_worker(partial_first_ok=True)
+    unbound = worker.store.num_unbound
+    run_step(worker, meta({"d": 5}, {"d": hashes(2, range(2))}), [("d", 2, 5, 1)])
+    assert worker._book.table.num_partial == 1
+    assert worker.store.peek_slot(key_of(0, 2, 1)) is None
+    worker.begin_step(meta({}, finished=["d"]))
+    run_step(worker, meta({"g": 0}), [("g", 3, 0, 1)])
+    assert worker._book.table.num_partial == 0
+    assert worker.num_active_requests() == 1
+    assert worker.store.num_unbound <= unbound + 1  # g's open block, nothing of d's
+    worker.close()
+
+
 def test_a_prefix_cache_reset_drops_every_request_and_starts_a_new_key_namespace():
     """As vLLM's worker does on a generation bump: every request is dropped (a live one too)
     and its keys released, key work recorded before the bump is applied before it, and the
