@@ -69,25 +69,6 @@ def check_pd(vllm_config: Any, backend: str) -> str:
     return mode
 
 
-def with_pd(additional_config: Any, mode: str) -> Any:
-    """``additional_config`` with the P/D ``mode`` selected, as a new dict (the caller's is
-    never edited). ``off`` adds nothing. Raises ``ValueError`` when ``additional_config``
-    is not a dict or already selects another mode."""
-    if additional_config is not None and not isinstance(additional_config, dict):
-        raise ValueError(
-            f"{PD_FLAG} needs additional_config to be a dict, "
-            f"got {type(additional_config).__name__}"
-        )
-    previous = (additional_config or {}).get(PD_KEY, mode)
-    if previous != mode:
-        raise ValueError(
-            f"{PD_FLAG} {mode} conflicts with additional_config[{PD_KEY!r}]={previous!r}"
-        )
-    if mode == DEFAULT_PD:
-        return additional_config
-    return {**(additional_config or {}), PD_KEY: mode}
-
-
 # ---------------------------------------------------------------- the lifted refusal
 class _KVTransferWithoutPD:
     """A read-only view of a ``KVTransferConfig`` on which ``has_connector`` is False for

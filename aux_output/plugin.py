@@ -134,21 +134,31 @@ def check_backend(vllm_config: Any) -> str:
 
 
 def _with_backend(additional_config: Any, backend: str) -> Any:
-    """``additional_config`` with ``backend`` selected. The default backend adds nothing, so
-    ``--aux-output-backend torch`` leaves vLLM's config (and its compile-cache hash) exactly
-    as it is without the plugin."""
+    """``additional_config`` with ``backend`` selected (``_with_setting``)."""
+    return _with_setting(additional_config, _FLAG, BACKEND_KEY, backend, DEFAULT_BACKEND)
+
+
+def _with_pd(additional_config: Any, mode: str) -> Any:
+    """``additional_config`` with the P/D ``mode`` selected (``_with_setting``)."""
+    return _with_setting(additional_config, pd.PD_FLAG, pd.PD_KEY, mode, pd.DEFAULT_PD)
+
+
+def _with_setting(additional_config: Any, flag: str, key: str, value: str, default: str) -> Any:
+    """``additional_config`` with ``flag``'s ``value`` under ``key``, as a new dict (the
+    caller's is never edited). The ``default`` adds nothing, so a flag left at its default
+    leaves vLLM's config (and its compile-cache hash) exactly as it is without the plugin.
+    Raises ``ValueError`` when ``additional_config`` is not a dict or already holds another
+    value under ``key``."""
     if additional_config is not None and not isinstance(additional_config, dict):
         raise ValueError(
-            f"{_FLAG} needs additional_config to be a dict, got {type(additional_config).__name__}"
+            f"{flag} needs additional_config to be a dict, got {type(additional_config).__name__}"
         )
-    previous = (additional_config or {}).get(BACKEND_KEY, backend)
-    if previous != backend:
-        raise ValueError(
-            f"{_FLAG} {backend} conflicts with additional_config[{BACKEND_KEY!r}]={previous!r}"
-        )
-    if backend == DEFAULT_BACKEND:
+    previous = (additional_config or {}).get(key, value)
+    if previous != value:
+        raise ValueError(f"{flag} {value} conflicts with additional_config[{key!r}]={previous!r}")
+    if value == default:
         return additional_config
-    return {**(additional_config or {}), BACKEND_KEY: backend}
+    return {**(additional_config or {}), key: value}
 
 
 # ---------------------------------------------------------------- engine arguments
@@ -185,7 +195,7 @@ def _patch_engine_args(module: ModuleType) -> None:
             engine_args.additional_config = _with_backend(engine_args.additional_config, backend)
         mode = getattr(args, pd.PD_KEY, None)
         if mode is not None:
-            engine_args.additional_config = pd.with_pd(engine_args.additional_config, mode)
+            engine_args.additional_config = _with_pd(engine_args.additional_config, mode)
         return engine_args
 
     def create_engine_config_checked(self, *args, **kwargs):

@@ -188,20 +188,20 @@ def test_mode_defaults_to_off_and_is_validated():
 
 
 def test_flag_value_merges_into_additional_config():
-    assert pd.with_pd(None, "splice") == {pd.PD_KEY: "splice"}
-    assert pd.with_pd(None, "off") is None
+    assert plugin._with_pd(None, "splice") == {pd.PD_KEY: "splice"}
+    assert plugin._with_pd(None, "off") is None
     config = {"aux_output_backend": "triton"}
-    assert pd.with_pd(config, "off") is config
-    merged = pd.with_pd(config, "splice")
+    assert plugin._with_pd(config, "off") is config
+    merged = plugin._with_pd(config, "splice")
     assert merged == {"aux_output_backend": "triton", pd.PD_KEY: "splice"}
     assert config == {"aux_output_backend": "triton"}
-    assert pd.with_pd({pd.PD_KEY: "splice"}, "splice") == {pd.PD_KEY: "splice"}
+    assert plugin._with_pd({pd.PD_KEY: "splice"}, "splice") == {pd.PD_KEY: "splice"}
     with pytest.raises(ValueError, match="conflicts"):
-        pd.with_pd({pd.PD_KEY: "off"}, "splice")
+        plugin._with_pd({pd.PD_KEY: "off"}, "splice")
     with pytest.raises(ValueError, match="conflicts"):
-        pd.with_pd({pd.PD_KEY: "splice"}, "off")
+        plugin._with_pd({pd.PD_KEY: "splice"}, "off")
     with pytest.raises(ValueError, match="needs additional_config to be a dict"):
-        pd.with_pd("x", "splice")
+        plugin._with_pd("x", "splice")
 
 
 def test_flag_is_added_to_a_parser_and_folded_into_additional_config(monkeypatch):

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from bench.models import ModelShape as Model
 from r3capture.kernels import GatherAllocLaunch, Status
 from r3capture.kernels._alloc_checks import BLOCK_LIMIT, RECORD_HI_BITS
 
@@ -33,18 +34,6 @@ STEP_INPUTS = ("capture", "query_start_loc", "positions", "request_index", "num_
 STATE = ("ring", "records", "heads", "dest", "step_info")  # what a launch may write
 _HI_MASK = (1 << RECORD_HI_BITS) - 1
 _SLOT_MASK = (1 << 32) - 1
-
-
-@dataclass(frozen=True)
-class Model:
-    name: str
-    num_layers: int
-    top_k: int
-    num_experts: int
-
-    @property
-    def dtype(self) -> torch.dtype:
-        return torch.uint8 if self.num_experts <= 256 else torch.uint16
 
 
 TINY = Model("L1K1", 1, 1, 8)
