@@ -2,8 +2,9 @@
 
 ``RequestBook`` applies the scheduler's metadata (rows for new requests; the step's key
 work of new block hashes, pins and teardown is recorded for the output thread,
-``key_work.py``), launches each step (the kernel takes the slots its requests' new blocks
-need from the free-slot queue, ``slot_queue.py``), and commits processed steps (the slots
+``key_work.py``), launches each step through its ``StepLauncher`` (``step_launcher.py``:
+the kernel takes the slots its requests' new blocks need from the free-slot queue), and
+commits processed steps (the slots
 each request took, recorded key work, checks, cursors, emitted rows, publication,
 prefix-cache hits, deferred teardown, the queue's refill).
 The worker serializes every call under its lock, in vLLM's call order; store calls are
@@ -19,7 +20,7 @@ import numpy as np
 import torch
 
 from r3capture.aux_output import envs
-from r3capture.aux_output.call_checks import checked_batch_arrays, input_batch_error
+from r3capture.aux_output.call_checks import checked_batch_arrays
 from r3capture.aux_output.device_side import DeviceSide, LaunchedStep
 from r3capture.aux_output.errors import require
 from r3capture.aux_output.key_work import KeyWorkQueue
@@ -29,18 +30,14 @@ from r3capture.aux_output.request_table import RequestTable
 from r3capture.aux_output.row_reader import RowReader
 from r3capture.aux_output.sizing import (
     WorkerSizing,
-    queue_size,
-    queue_stock,
     require_int,
     reserve_slots,
     ring_widths,
 )
-from r3capture.aux_output.slot_queue import SlotQueue
 from r3capture.aux_output.step_commit import StepLayout, check_not_overwritten, commit_step
+from r3capture.aux_output.step_launcher import StepLauncher
 from r3capture.aux_output.steps_in_flight import StepsInFlight
 from r3capture.aux_output.types import AuxOutputConnectorMetadata, AuxRequestOutput
-from r3capture.kernels import KernelArgumentError
-from r3capture.kernels._alloc_checks import AllocShape
 from r3capture.store import BlockStore
 
 
@@ -63,24 +60,28 @@ class RequestBook:
         B = self._block_size = sizing.hash_block_size
         self.destination = destination
         depth = sizing.max_concurrent_batches
-        ring_width, self._device_width = ring_widths(sizing.max_num_batched_tokens, B, depth)
+        ring_width, device_width = ring_widths(sizing.max_num_batched_tokens, B, depth)
         self.table = RequestTable(ring_width, capacity=sizing.max_num_seqs + 1)
         self.generation = 0
+        # Steps launched and not yet settled, oldest first; finished requests whose teardown
+        # waits for them.
+        self._steps = StepsInFlight(self.table)
+        self.launcher = StepLauncher(
+            sizing,
+            self.table,
+            self._steps,
+            destination=destination,
+            device_width=device_width,
+            wait_for_device_writes=wait_for_device_writes,
+        )
         self.device_side: DeviceSide | None = None
-        self._queue: SlotQueue | None = None
-        # Launches so far: the kernel's serial for the next is one more.
-        self._launches = 0
-        self._wait_for_device_writes = wait_for_device_writes
-        # Set when the store arena is replaced: the device side must attach again before
-        # the next launch.
-        self._detached = True
         self.store = BlockStore(
             max_bytes=sizing.max_bytes,
             object_nbytes=sizing.block_nbytes,
             reserve_slots=reserve_slots(sizing),
             # The kernel writes the arena through unified addressing: it must be pinned.
             pin_memory=destination == "direct" and device.type == "cuda",
-            on_grow=self._on_store_grow,
+            on_grow=self.launcher.store_grows,
         )
         if output_pool_bytes is None:
             output_pool_bytes = envs.output_pool_bytes()
@@ -95,40 +96,13 @@ class RequestBook:
             dtype=sizing.dtype,
             output_pool=OutputPool(max_bytes=output_pool_bytes),
         )
-        # Steps launched and not yet settled, oldest first; finished requests whose teardown
-        # waits for them.
-        self._steps = StepsInFlight(self.table)
 
     def make_device_side(self, capture_buffer: torch.Tensor, kernel_impl: str) -> DeviceSide:
         """The device half, sized from this book; the book launches through it."""
-        sizing = self.sizing
-        self.device_side = DeviceSide(
-            capture_buffer=capture_buffer,
-            dtype=sizing.dtype,
-            block_size=self._block_size,
-            max_num_seqs=sizing.max_num_seqs,
-            ring_width=self._device_width,
-            queue_size=queue_size(sizing),
-            depth=sizing.max_concurrent_batches,
-            destination=self.destination,
-            kernel_impl=kernel_impl,
+        self.device_side = self.launcher.make_device_side(
+            self.store, capture_buffer, kernel_impl, self._key_work.apply_teardown
         )
-        self._queue = SlotQueue(
-            self.device_side.queue_np,
-            self.store,
-            queue_stock(sizing),
-            self._key_work.apply_teardown,
-        )
-        self._queue.refill()
-        # Attached now rather than at the first launch: building the launches is one-time
-        # work that would otherwise land on the first step's main thread.
-        self._attach()
         return self.device_side
-
-    def _on_store_grow(self) -> None:
-        # The store is about to replace its arena: kernels writing the old one must finish.
-        self._detached = True
-        self._wait_for_device_writes()
 
     # ------------------------------------------------------------------ begin_step
     def begin(self, metadata: AuxOutputConnectorMetadata, emit_starts: np.ndarray) -> None:
@@ -189,7 +163,7 @@ class RequestBook:
     @property
     def queued_slots(self) -> int:
         """Unbound store slots that sit in the device's free-slot queue."""
-        return self._queue.num_queued
+        return self.launcher.queue.num_queued
 
     def is_tracked(self, request_id: str) -> bool:
         """Whether ``request_id`` has state here (as in vLLM: a finished request whose
@@ -230,68 +204,8 @@ class RequestBook:
     def launch(
         self, layout: StepLayout, input_batch: Any, num_rejected: torch.Tensor | None
     ) -> LaunchedStep:
-        """Check the batch's device inputs (``query_start_loc`` ``[>= R+1]``, ``positions``
-        ``[>= num_rows]``, ``idx_mapping`` ``[>= R]``, 1-D, on the device) and launch the
-        kernel. A refused input changes nothing."""
-        num_rows = int(layout.query_start_loc[-1])
-        num_reqs = len(layout.rows)
-        if not num_reqs:
-            launched = self.device_side.launch(
-                None, None, None, None, None, fresh=False, num_rows=num_rows
-            )
-            self._steps.add(layout)
-            return launched
-        device_inputs = (
-            getattr(input_batch, "query_start_loc", None),
-            getattr(input_batch, "positions", None),
-            getattr(input_batch, "idx_mapping", None),
-            num_rejected,
-        )
-        queue = self._queue
-        shape = self._checked_shape(device_inputs, num_reqs, num_rows, queue.tail)
-        # Most blocks the launch can open: each request's rows and a partial first block.
-        tail = queue.reserve(num_rows // self._block_size + num_reqs)
-        if self._detached:
-            self._attach()  # refilling grew the store: a new arena
-        if tail != shape.queue_tail:
-            shape = shape._replace(queue_tail=tail)
-        fresh = self.table.take_fresh(layout.rows)
-        if fresh is not None:
-            self.device_side.fresh_flags()[:num_reqs] = fresh
-        launched = self.device_side.launch(
-            shape, *device_inputs, fresh=fresh is not None, num_rows=num_rows
-        )
-        self._launches += 1
-        self._steps.add(layout)
-        return launched
-
-    def _checked_shape(
-        self, device_inputs: tuple[Any, ...], num_reqs: int, num_rows: int, queue_tail: int
-    ) -> AllocShape:
-        """The launcher's check of ``(query_start_loc, positions, idx_mapping,
-        num_rejected)``. A refused input raises the error naming ``input_batch``."""
-        try:
-            return self.device_side.check_step(
-                *device_inputs,
-                num_reqs=num_reqs,
-                num_rows=num_rows,
-                launch=self._launches + 1,
-                queue_tail=queue_tail,
-            )
-        except KernelArgumentError as exc:
-            raise input_batch_error(exc) from None
-
-    def _attach(self) -> None:
-        """Make the kernel's destination the store's current arena."""
-        self.device_side.attach(self._arena_blocks())
-        self._detached = False
-
-    def _arena_blocks(self) -> torch.Tensor:
-        """The store arena as ``[slots, B, L, K]`` of the row dtype (a view, no copy)."""
-        arena = self.store.arena
-        L, K = self.sizing.shape_per_token
-        torch_dtype = {1: torch.uint8, 2: torch.uint16}[self.sizing.dtype.itemsize]
-        return arena.view(torch_dtype).view(arena.shape[0], self._block_size, L, K)
+        """One kernel launch for the step (``StepLauncher.launch``)."""
+        return self.launcher.launch(layout, input_batch, num_rejected)
 
     # ------------------------------------------------------------------ process_output
     def commit(
@@ -340,7 +254,7 @@ class RequestBook:
         if self.table.num_partial:
             self._drop_partial_blocks(layout.rows)
         self.device_side.count_transfer(launched, plan.rows_written)
-        self._queue.refill()
+        self.launcher.queue.refill()
         return outputs
 
     def _take_new_slots(
@@ -351,7 +265,7 @@ class RequestBook:
         end, or at its first captured block."""
         launched.accounted = True
         taken = step_info[:, 3]
-        slots = self._queue.commit(taken)
+        slots = self.launcher.queue.commit(taken)
         if not slots.size:
             return
         grew = taken.nonzero()[0]

@@ -71,15 +71,21 @@ class PartTimes:
 
 
 def _part_targets() -> list[tuple[Any, str, str]]:
-    from r3capture.aux_output import device_side, request_book, request_table, slot_queue
+    from r3capture.aux_output import (
+        device_side,
+        request_book,
+        request_table,
+        slot_queue,
+        step_launcher,
+    )
     from r3capture.kernels import GatherAllocLaunch
 
     return [
         (request_book.RequestBook, "layout_of", "layout_of"),
-        (request_book.RequestBook, "_checked_shape", "launcher checks"),
+        (step_launcher.StepLauncher, "_checked_shape", "launcher checks"),
         (slot_queue.SlotQueue, "reserve", "queue reserve"),
         (request_table.RequestTable, "take_fresh", "fresh flags"),
-        (request_book.RequestBook, "_attach", "attach"),
+        (step_launcher.StepLauncher, "_attach", "attach"),
         (GatherAllocLaunch, "launch_checked", "launch"),
         (device_side.DeviceSide, "copy_back", "copy_back"),
     ] + _launcher_target()

@@ -720,7 +720,7 @@ def test_a_launch_after_the_arena_grew_writes_rows_into_its_new_slots():
     """Refilling the queue can grow the store's arena; launches after it must write the rows
     that land in slots past the old arena there, not refuse them."""
     worker = make_worker(max_num_seqs=2, max_bytes=B * ROW_BYTES * 4)  # a small first arena
-    store, queue = worker.store, worker._book._queue
+    store, queue = worker.store, worker._book.launcher.queue
     beyond_old_arena = []
     allocate = queue._allocate
 
@@ -761,7 +761,7 @@ def test_a_failed_step_that_took_slots_leaves_the_queue_account_right(destinatio
     pending.enqueue_cpu_copy(num_sampled=np.ones(1, np.int32), num_rejected=np.ones(1))
     with pytest.raises(ValueError, match="num_rejected must be a 1-D integer numpy array"):
         pending.process_output()
-    queue = worker._book._queue
+    queue = worker._book.launcher.queue
     assert queue.committed == 3  # one slot in the first step, two in the failed one
     out = run_step(worker, meta({"b": 0}), [("b", 2, 0, 9)])
     assert np.array_equal(out["b"].rows, routes(2, 0, 9).astype(np.uint8))

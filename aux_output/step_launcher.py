@@ -1,0 +1,167 @@
+"""The main thread's half of the data plane: the device side, the free-slot queue and the launch.
+
+``StepLauncher`` builds the ``DeviceSide`` (device buffers, the kernel's launcher) and the
+host side of the free-slot queue (``slot_queue.py``), keeps the kernel's destination on the
+store's current arena, and launches each step: the checks of the batch's device inputs, the
+queue's reservation (one integer comparison unless it must refill), the flags of requests new
+to their index, and one kernel launch. No per-request work and no upload
+(``docs/device_slots.md``). ``RequestBook`` owns it and reads the kernel's results through
+its ``device_side`` and ``queue`` on the output thread.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from r3capture.aux_output.call_checks import input_batch_error
+from r3capture.aux_output.device_side import DeviceSide, LaunchedStep
+from r3capture.aux_output.request_table import RequestTable
+from r3capture.aux_output.sizing import WorkerSizing, queue_size, queue_stock
+from r3capture.aux_output.slot_queue import SlotQueue
+from r3capture.aux_output.step_commit import StepLayout
+from r3capture.aux_output.steps_in_flight import StepsInFlight
+from r3capture.kernels import KernelArgumentError
+from r3capture.kernels._alloc_checks import AllocShape
+from r3capture.store import BlockStore
+
+
+class StepLauncher:
+    """Launches steps of ``table``'s requests into ``store``'s arena, recording each launched
+    step in ``steps``.
+
+    Args:
+        device_width: the device ring's width in hash blocks (``sizing.ring_widths``).
+        wait_for_device_writes: blocks until kernels writing the arena have finished.
+    """
+
+    def __init__(
+        self,
+        sizing: WorkerSizing,
+        table: RequestTable,
+        steps: StepsInFlight,
+        *,
+        destination: str,
+        device_width: int,
+        wait_for_device_writes: Callable[[], None],
+    ) -> None:
+        self._sizing = sizing
+        self._block_size = sizing.hash_block_size
+        self._table = table
+        self._steps = steps
+        self._destination = destination
+        self._device_width = device_width
+        self._wait_for_device_writes = wait_for_device_writes
+        self._store: BlockStore | None = None
+        self.device_side: DeviceSide | None = None
+        self.queue: SlotQueue | None = None
+        # Launches so far: the kernel's serial for the next is one more.
+        self._launches = 0
+        # Set when the store arena is replaced: the device side must attach again before
+        # the next launch.
+        self._detached = True
+
+    def make_device_side(
+        self,
+        store: BlockStore,
+        capture_buffer: torch.Tensor,
+        kernel_impl: str,
+        apply_teardown: Callable[[], bool],
+    ) -> DeviceSide:
+        """Build the device side and the queue's host side over ``store``; ``apply_teardown``
+        frees slots of finished requests when a refill runs short."""
+        sizing = self._sizing
+        self._store = store
+        self.device_side = DeviceSide(
+            capture_buffer=capture_buffer,
+            dtype=sizing.dtype,
+            block_size=self._block_size,
+            max_num_seqs=sizing.max_num_seqs,
+            ring_width=self._device_width,
+            queue_size=queue_size(sizing),
+            depth=sizing.max_concurrent_batches,
+            destination=self._destination,
+            kernel_impl=kernel_impl,
+        )
+        self.queue = SlotQueue(
+            self.device_side.queue_np, store, queue_stock(sizing), apply_teardown
+        )
+        self.queue.refill()
+        # Attached now rather than at the first launch: building the launches is one-time
+        # work that would otherwise land on the first step's main thread.
+        self._attach()
+        return self.device_side
+
+    def store_grows(self) -> None:
+        """The store is about to replace its arena: kernels writing the old one must finish,
+        and the next launch attaches to the new one."""
+        self._detached = True
+        self._wait_for_device_writes()
+
+    def launch(
+        self, layout: StepLayout, input_batch: Any, num_rejected: torch.Tensor | None
+    ) -> LaunchedStep:
+        """Check the batch's device inputs (``query_start_loc`` ``[>= R+1]``, ``positions``
+        ``[>= num_rows]``, ``idx_mapping`` ``[>= R]``, 1-D, on the device) and launch the
+        kernel. A refused input changes nothing."""
+        num_rows = int(layout.query_start_loc[-1])
+        num_reqs = len(layout.rows)
+        if not num_reqs:
+            launched = self.device_side.launch(
+                None, None, None, None, None, fresh=False, num_rows=num_rows
+            )
+            self._steps.add(layout)
+            return launched
+        device_inputs = (
+            getattr(input_batch, "query_start_loc", None),
+            getattr(input_batch, "positions", None),
+            getattr(input_batch, "idx_mapping", None),
+            num_rejected,
+        )
+        queue = self.queue
+        shape = self._checked_shape(device_inputs, num_reqs, num_rows, queue.tail)
+        # Most blocks the launch can open: each request's rows and a partial first block.
+        tail = queue.reserve(num_rows // self._block_size + num_reqs)
+        if self._detached:
+            self._attach()  # refilling grew the store: a new arena
+        if tail != shape.queue_tail:
+            shape = shape._replace(queue_tail=tail)
+        fresh = self._table.take_fresh(layout.rows)
+        if fresh is not None:
+            self.device_side.fresh_flags()[:num_reqs] = fresh
+        launched = self.device_side.launch(
+            shape, *device_inputs, fresh=fresh is not None, num_rows=num_rows
+        )
+        self._launches += 1
+        self._steps.add(layout)
+        return launched
+
+    def _checked_shape(
+        self, device_inputs: tuple[Any, ...], num_reqs: int, num_rows: int, queue_tail: int
+    ) -> AllocShape:
+        """The launcher's check of ``(query_start_loc, positions, idx_mapping,
+        num_rejected)``. A refused input raises the error naming ``input_batch``."""
+        try:
+            return self.device_side.check_step(
+                *device_inputs,
+                num_reqs=num_reqs,
+                num_rows=num_rows,
+                launch=self._launches + 1,
+                queue_tail=queue_tail,
+            )
+        except KernelArgumentError as exc:
+            raise input_batch_error(exc) from None
+
+    def _attach(self) -> None:
+        """Make the kernel's destination the store's current arena."""
+        self.device_side.attach(self._arena_blocks())
+        self._detached = False
+
+    def _arena_blocks(self) -> torch.Tensor:
+        """The store arena as ``[slots, B, L, K]`` of the row dtype (a view, no copy)."""
+        arena = self._store.arena
+        L, K = self._sizing.shape_per_token
+        torch_dtype = {1: torch.uint8, 2: torch.uint16}[self._sizing.dtype.itemsize]
+        return arena.view(torch_dtype).view(arena.shape[0], self._block_size, L, K)
