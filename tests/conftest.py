@@ -32,3 +32,37 @@ def _interpreted_accesses_in_bounds():
 
     with checked_memory_accesses():
         yield
+
+
+@pytest.fixture
+def vllm_033_probe(tmp_path):
+    """Run a probe script in a fresh interpreter against vLLM 0.33.0 (plugins loaded by vLLM
+    itself) with the tiny Qwen3-MoE config in ``tmp_path``; returns the JSON it prints after
+    ``PROBE ``."""
+    import json
+    import subprocess
+    import sys
+
+    from transformers import Qwen3MoeConfig
+
+    from demo.tiny_model import TINY_CONFIG
+
+    # A config is all vLLM's engine config needs (no weights are loaded).
+    Qwen3MoeConfig(**TINY_CONFIG, architectures=["Qwen3MoeForCausalLM"]).save_pretrained(tmp_path)
+    env = {
+        **os.environ,
+        "VLLM_TARGET_DEVICE": "cpu",
+        "VLLM_USE_V2_MODEL_RUNNER": "1",
+        "HF_HUB_OFFLINE": "1",
+    }
+
+    def run(script) -> dict:
+        proc = subprocess.run(
+            [sys.executable, str(script), str(tmp_path)],
+            env=env, capture_output=True, text=True, timeout=600,
+        )  # fmt: skip
+        lines = [line for line in proc.stdout.splitlines() if line.startswith("PROBE ")]
+        assert proc.returncode == 0 and lines, proc.stdout[-2000:] + proc.stderr[-4000:]
+        return json.loads(lines[0].removeprefix("PROBE "))
+
+    return run

@@ -7,9 +7,6 @@ real ``VllmConfig`` is left alone) on stand-in configs that carry vLLM's real
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 import types
 from pathlib import Path
 
@@ -17,6 +14,7 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from test_pipeline import _config as pipeline_config
 
 from r3capture.aux_output import compat, pd, plugin
 
@@ -41,41 +39,13 @@ def _kv(connector: str | None, children: tuple[str, ...] = ()):
 
 
 def _config(backend="triton", mode=None, connector=None, children=(), pp=1, **overrides):
-    additional = {}
-    if backend is not None:
-        additional[plugin.BACKEND_KEY] = backend
+    config = pipeline_config(backend, pp=pp)
     if mode is not None:
-        additional[pd.PD_KEY] = mode
-    config = types.SimpleNamespace(
-        aux_output_config=types.SimpleNamespace(enabled=True),
-        use_v2_model_runner=True,
-        model_config=types.SimpleNamespace(runner_type="generate", is_moe=True),
-        cache_config=types.SimpleNamespace(enable_prefix_caching=True),
-        speculative_config=None,
-        parallel_config=types.SimpleNamespace(
-            pipeline_parallel_size=pp,
-            decode_context_parallel_size=1,
-            prefill_context_parallel_size=1,
-        ),
-        kv_transfer_config=_kv(connector, children),
-        additional_config=additional,
-    )
+        config.additional_config[pd.PD_KEY] = mode
+    config.kv_transfer_config = _kv(connector, children)
     for name, value in overrides.items():
         setattr(config, name, value)
     return config
-
-
-@pytest.fixture
-def vllm_verify():
-    """(vLLM 0.33.0's own check, the same check as the plugin wraps it)."""
-    from vllm.config.vllm import VllmConfig
-
-    original = VllmConfig.__dict__["_verify_aux_output_compatibility"]
-    original = getattr(original, "__wrapped__", original)
-    module = types.ModuleType("config")
-    module.VllmConfig = type("VllmConfig", (), {"_verify_aux_output_compatibility": original})
-    plugin._patch_vllm_config(module)
-    return original, module.VllmConfig._verify_aux_output_compatibility
 
 
 @pytest.mark.parametrize("connector", pd.PD_CONNECTORS)
@@ -258,31 +228,12 @@ def _vllm_033_installed() -> bool:
 
 @pytest.mark.slow
 @pytest.mark.skipif(not _vllm_033_installed(), reason="needs vLLM 0.33.x (the .venv environment)")
-def test_on_vllm_033_the_nixl_config_through_vllms_engine_args(tmp_path):
+def test_on_vllm_033_the_nixl_config_through_vllms_engine_args(vllm_033_probe):
     """``vllm serve``'s parser and ``create_engine_config`` on vLLM 0.33.0, in a fresh
     interpreter (plugins loaded by vLLM): NIXL with routed experts is refused without the
     flag, built with ``--aux-output-pd splice``, and ``splice`` without ``triton`` is refused
     with r3capture's message."""
-    import json
-
-    from transformers import Qwen3MoeConfig
-
-    from demo.tiny_model import TINY_CONFIG
-
-    Qwen3MoeConfig(**TINY_CONFIG, architectures=["Qwen3MoeForCausalLM"]).save_pretrained(tmp_path)
-    env = {
-        **os.environ,
-        "VLLM_TARGET_DEVICE": "cpu",
-        "VLLM_USE_V2_MODEL_RUNNER": "1",
-        "HF_HUB_OFFLINE": "1",
-    }
-    proc = subprocess.run(
-        [sys.executable, str(Path(__file__).with_name("pd_probe_033.py")), str(tmp_path)],
-        env=env, capture_output=True, text=True, timeout=600,
-    )  # fmt: skip
-    lines = [line for line in proc.stdout.splitlines() if line.startswith("PROBE ")]
-    assert proc.returncode == 0 and lines, proc.stdout[-2000:] + proc.stderr[-4000:]
-    seen = json.loads(lines[0].removeprefix("PROBE "))
+    seen = vllm_033_probe(Path(__file__).with_name("pd_probe_033.py"))
     for connector in ("NixlConnector", "MultiConnector/NixlConnector", "MooncakeConnector"):
         assert PD_MESSAGE in seen[f"{connector} off"], seen
         assert seen[f"{connector} splice"] == {

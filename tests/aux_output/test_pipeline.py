@@ -242,20 +242,6 @@ def _config(backend, pp=2, dcp=1):
     )
 
 
-@pytest.fixture
-def vllm_verify():
-    """vLLM 0.33.0's own check, patched onto a stand-in class (the real VllmConfig is left
-    alone)."""
-    from vllm.config.vllm import VllmConfig
-
-    original = VllmConfig.__dict__["_verify_aux_output_compatibility"]
-    original = getattr(original, "__wrapped__", original)
-    module = types.ModuleType("config")
-    module.VllmConfig = type("VllmConfig", (), {"_verify_aux_output_compatibility": original})
-    plugin._patch_vllm_config(module)
-    return original, module.VllmConfig._verify_aux_output_compatibility
-
-
 def test_vllm_still_refuses_pipeline_parallelism_itself(vllm_verify):
     """Drift guard: the refusal r3capture lifts is still vLLM's."""
     original, _ = vllm_verify

@@ -3,9 +3,6 @@
 from __future__ import annotations
 
 import importlib.metadata
-import json
-import os
-import subprocess
 import sys
 import types
 from pathlib import Path
@@ -259,26 +256,10 @@ def _vllm_033_installed() -> bool:
 
 @pytest.mark.slow
 @pytest.mark.skipif(not _vllm_033_installed(), reason="needs vLLM 0.33.x (the .venv environment)")
-def test_on_vllm_033_flag_check_and_runner_hooks_through_vllms_own_plugin_loading(tmp_path):
-    from transformers import Qwen3MoeConfig
-
-    from demo.tiny_model import TINY_CONFIG
-
-    # A config is all vLLM's engine config needs (no weights are loaded here).
-    Qwen3MoeConfig(**TINY_CONFIG, architectures=["Qwen3MoeForCausalLM"]).save_pretrained(tmp_path)
-    env = {
-        **os.environ,
-        "VLLM_TARGET_DEVICE": "cpu",
-        "VLLM_USE_V2_MODEL_RUNNER": "1",
-        "HF_HUB_OFFLINE": "1",
-    }
-    proc = subprocess.run(
-        [sys.executable, str(Path(__file__).with_name("plugin_probe_033.py")), str(tmp_path)],
-        env=env, capture_output=True, text=True, timeout=600,
-    )  # fmt: skip
-    lines = [line for line in proc.stdout.splitlines() if line.startswith("PROBE ")]
-    assert proc.returncode == 0 and lines, proc.stdout[-2000:] + proc.stderr[-4000:]
-    seen = json.loads(lines[0].removeprefix("PROBE "))
+def test_on_vllm_033_flag_check_and_runner_hooks_through_vllms_own_plugin_loading(
+    vllm_033_probe,
+):
+    seen = vllm_033_probe(Path(__file__).with_name("plugin_probe_033.py"))
     assert seen["choices"] == ["torch", "triton"]
     assert seen["runner_imported_early"] is False
     assert seen["default_additional_config"] == {}
