@@ -13,13 +13,15 @@ first token it computes) its worker would look them up in a store that never had
   prefix hit plus loaded KV). Rows below it are never read, so the worker never asks its
   store for rows it does not hold. A router splices the prefiller's rows before them.
 * **vLLM 0.33.x only** (its connector caps external KV hits at the rows it holds):
-  ``cap_external_hit`` lets a decode-leg hit through when its end is block-aligned and short
-  of the request's last token (the worker's first capture must start on a block boundary); the
-  loaded blocks are recorded as *rowless* (their rows are nowhere on this instance) until
-  they leave the GPU prefix cache or a request computes them; rowless blocks are never
-  retained (``_kv_cached`` / ``retained_block_hashes``) and ``max_cache_hit`` stops at them for
-  every request but a decode-leg one (which never reads rows below its first computed
-  position, so it may reuse their KV).
+  ``cap_external_hit`` lets a decode-leg hit through when it ends short of the request's last
+  token, block-aligned or not (NIXL's prefill backoff ends it mid-block; the worker, under
+  ``splice``, starts the first capture there). The loaded blocks, and the block the hit ends
+  inside (whose rows before the hit's end were never computed here; its hash may only appear
+  once the request's output completes it), are recorded as *rowless* (their rows are nowhere
+  on this instance) until they leave the GPU prefix cache or a request computes them whole;
+  rowless blocks are never retained (``_kv_cached`` / ``retained_block_hashes``) and
+  ``max_cache_hit`` stops at them for every request but a decode-leg one (which never reads
+  rows below its first computed position, so it may reuse their KV).
 * Prefill-leg (``do_remote_decode``) and plain requests are scheduled exactly as before.
 
 vLLM 0.32.x accepts every external hit (its connector has no cap), so only the emit start is
@@ -63,9 +65,13 @@ class PDSchedulerConnector:
     * ``_first_computed``: request id -> its ``num_computed_tokens`` when first scheduled
       after (re)admission (int); 0 for requests that are not decode-leg;
     * 0.33.x: ``_rowless`` (set of ``bytes``, the last hash-block hash of each KV block whose
-      rows this instance does not hold) and ``_rowless_of`` (request id -> the rowless keys its
+      rows this instance does not hold), ``_rowless_of`` (request id -> the rowless keys its
       KV load brings, kept from ``cap_external_hit`` until its first schedule, so that pruning
-      never drops them while the load is in flight and the blocks are not cached yet).
+      never drops them while the load is in flight and the blocks are not cached yet) and
+      ``_partial_of`` (request id -> [request, index of the KV block its unaligned hit ends
+      inside, that block's key once the request's hashes reach it or None], kept until the
+      request finishes or is preempted, so that pruning never drops the key before the block
+      is cached).
     """
 
     def __init__(self, inner: Any) -> None:
@@ -75,6 +81,7 @@ class PDSchedulerConnector:
         self._caps = callable(getattr(inner, compat.CAP_EXTERNAL_HIT_METHOD, None))
         self._rowless: set[bytes] = set()
         self._rowless_of: dict[str, tuple[bytes, ...]] = {}
+        self._partial_of: dict[str, list[Any]] = {}
         self._hide_rowless = True
         if self._caps:
             missing = [n for n in compat.SCHEDULER_CONNECTOR_INTERNALS if not hasattr(inner, n)]
@@ -112,6 +119,8 @@ class PDSchedulerConnector:
         first computed position. Called before the scheduler advances
         ``num_computed_tokens``, so at a request's first schedule that is local hit plus
         loaded KV."""
+        if self._partial_of:
+            self._record_partial_keys()
         metadata = self._inner.build_connector_meta(scheduler_output, requests)
         emit_starts = metadata.requests
         for request_id, emit_start in emit_starts.items():
@@ -136,10 +145,13 @@ class PDSchedulerConnector:
         request_id = request.request_id
         first = self._first_computed.pop(request_id, None)
         if self._caps:
+            if self._partial_of:
+                self._record_partial_keys()
             self._drop_rowless_rows_of(request, first)
             with self._rowless_hidden(True):
                 self._inner.request_finished(request)
             self._rowless_of.pop(request_id, None)
+            self._partial_of.pop(request_id, None)
             if len(self._rowless) > self._prune_at:
                 self._prune_rowless()
         else:
@@ -152,20 +164,27 @@ class PDSchedulerConnector:
         only blocks of loads still in flight stay rowless)."""
         self._inner.reset()
         self._rowless = set().union(*self._rowless_of.values())
+        for entry in self._partial_of.values():
+            entry[2] = None  # recorded again if the request's hashes still reach it
 
     # ------------------------------------------------------------ vLLM 0.33.x
     def max_cache_hit(self, request: Any) -> int:
         """Tokens of ``request``'s prefix whose rows the wrapped connector can serve; a
         decode-leg request also counts rowless blocks (it never reads rows below its first
         computed position)."""
+        if self._partial_of:
+            self._record_partial_keys()
         with self._rowless_hidden(not self._is_decode_leg(request)):
             return self._inner.max_cache_hit(request)
 
     def cap_external_hit(self, request: Any, num_local: int, num_external: int) -> int:
         """External KV tokens the scheduler may load for ``request`` after ``num_local``
         local-hit tokens (ints). The wrapped connector's answer, except for a decode-leg
-        request whose hit ends block-aligned and short of its last token: the hit is let
-        through, and the loaded blocks not already holding rows are recorded as rowless."""
+        request whose hit ends short of its last token: the hit is let through, the loaded
+        whole blocks not already holding rows are recorded as rowless, and so is the block
+        an unaligned hit ends inside, now or once the request's hashes reach it."""
+        if self._partial_of:
+            self._record_partial_keys()
         with self._rowless_hidden(True):
             allowed = self._inner.cap_external_hit(request, num_local, num_external)
         num_hit = num_local + num_external
@@ -173,18 +192,20 @@ class PDSchedulerConnector:
             allowed == num_external
             or num_external <= 0
             or not self._is_decode_leg(request)
-            or num_hit % self._block_size != 0
             or num_hit > request.num_tokens - 1
         ):
             return allowed
+        begin, end = num_local // self._block_size, num_hit // self._block_size
         keys = tuple(
             last_key
-            for block, last_key in self._blocks(request, num_local // self._block_size,
-                                                num_hit // self._block_size)
+            for block, last_key in self._blocks(request, begin, end)
             if block not in self._inner._kv_cached
-        )  # fmt: skip
+        )
         self._rowless.update(keys)
         self._rowless_of[request.request_id] = keys
+        if num_hit % self._block_size:
+            self._partial_of[request.request_id] = [request, end, None]
+            self._record_partial_keys()
         return num_external
 
     # ------------------------------------------------------------ rowless blocks
@@ -208,6 +229,20 @@ class PDSchedulerConnector:
         for block, keys in blocks:
             yield block, keys[-1]
 
+    def _record_partial_keys(self) -> None:
+        """Record as rowless the key of each block an unaligned decode-leg hit ends inside,
+        once its request's hashes reach it (the scheduler caches a block, so other requests
+        can hit it, only after its hash is known; every entry point that may count or retain
+        a block runs this first)."""
+        for entry in self._partial_of.values():
+            request, index, key = entry
+            if key is not None:
+                continue
+            for block, last_key in self._blocks(request, index, index + 1):
+                entry[2] = last_key
+                if block not in self._inner._kv_cached:  # else its rows are in the store
+                    self._rowless.add(last_key)
+
     def _drop_rowless_rows_of(self, request: Any, first_computed: int | None) -> None:
         """Blocks ``request`` computed (or hit with rows) are no longer rowless: all of its
         full computed blocks, or for a decode-leg request those from its first computed
@@ -229,6 +264,7 @@ class PDSchedulerConnector:
         """Forget rowless blocks that left the GPU prefix cache (no request can hit them
         locally any more; a new load records them again), except those of loads in flight."""
         live = set().union(*self._rowless_of.values())
+        live.update(entry[2] for entry in self._partial_of.values())
         self._rowless = {
             key for key in self._rowless if key in live or self._raw_gpu_cached(key) is not None
         }

@@ -212,14 +212,14 @@ def test_a_decode_leg_request_after_a_local_hit_emits_from_local_plus_external()
 
 @pytest.mark.parametrize(
     "num_external, num_tokens_past_prompt",
-    [(HIT - 8, 0), (69, 0), (70, 0), (64, -6)],
-    ids=["unaligned", "unaligned-last", "whole-prompt", "to-the-last-token"],
+    [(70, 0), (64, -6)],
+    ids=["whole-prompt", "to-the-last-token"],
 )
 def test_a_hit_the_worker_cannot_start_after_is_capped_as_vllm_does(
     num_external, num_tokens_past_prompt
 ):
-    """The worker's first capture must start on a block boundary before the last token:
-    other decode-leg hits keep vLLM's cap (nothing loaded, the prompt recomputed, rows held)."""
+    """The worker's first capture must start before the last token: a decode-leg hit that
+    reaches it keeps vLLM's cap (nothing loaded, the prompt recomputed, rows held)."""
     kv = kv_cache()
     _, wrapped = connectors(kv)
     tokens = PROMPT[: len(PROMPT) + num_tokens_past_prompt]
@@ -228,6 +228,107 @@ def test_a_hit_the_worker_cannot_start_after_is_capped_as_vllm_does(
     assert wrapped._rowless == set()
     request.num_computed_tokens = 0
     assert schedule(wrapped, (request, len(tokens))).requests == {"d": 0}
+
+
+@pytest.mark.parametrize("backoff", [1, 5, 13])
+def test_an_unaligned_hit_is_let_through_and_its_partial_block_is_rowless(backoff):
+    """NIXL's prefill backoff: the prefiller computed all but the prompt's last ``backoff``
+    tokens, the decoder loads them and recomputes the rest from mid-block. The block the
+    hit ends in (block 4 of the 70-token prompt, hashed only once the output completes it,
+    or block 3) holds rows from the hit's end only: it is never retained nor hit by a plain
+    request."""
+    kv = kv_cache()
+    plain, wrapped = connectors(kv)
+    request = FakeRequest("d", PROMPT, DECODE)
+    num_hit = len(PROMPT) - backoff
+    assert admit(plain, kv, FakeRequest("v", PROMPT, DECODE), num_hit) == (0, 0)
+    assert admit(wrapped, kv, request, num_hit) == (0, num_hit)
+    request.num_computed_tokens = num_hit
+    cache_blocks(kv, request, num_hit // B)
+    assert schedule(wrapped, (request, backoff)).requests == {"d": num_hit}
+    loaded = {request.block_hashes[i] for i in range(num_hit // B)}
+    partial = num_hit // B
+    hashed = {request.block_hashes[partial]} if partial < 4 else set()  # block 4: not yet
+    assert wrapped._rowless == loaded | hashed
+    request.append(*range(12))  # tokens 70..81: block 4 (64..79) is complete and hashed
+    schedule(wrapped, (request, 11))
+    cache_blocks(kv, request, 5)
+    assert wrapped.max_cache_hit(FakeRequest("p", PROMPT + list(range(10)))) == 0
+    rowless = loaded | {request.block_hashes[partial]}
+    assert wrapped._rowless == rowless
+    request.finished = True
+    wrapped.request_finished(request)
+    # Only a block after the partial one was computed whole here: it alone is retained.
+    kept = [request.block_hashes[4]] if partial < 4 else []
+    assert set(wrapped._inner._kv_cached) == {ext(h) for h in kept}
+    assert list(schedule(wrapped).retained_block_hashes or []) == kept
+    assert wrapped._rowless == rowless
+    # Another decode-leg request reuses the KV of all five blocks (it reads no row of them).
+    assert wrapped.max_cache_hit(FakeRequest("d2", PROMPT + list(range(12)), DECODE)) == 80
+
+
+def test_the_partial_block_stops_plain_hits_after_blocks_with_rows():
+    """A plain request computed the first 4 blocks (rows held); a decode-leg request hits
+    them locally, loads tokens 64..68 and computes the rest of block 4 from 69: a later
+    plain request hits the 4 blocks with rows and recomputes block 4, whose hash the
+    scheduler learnt only after the decode-leg request's admission; only the 4 are
+    retained."""
+    kv = kv_cache()
+    _, wrapped = connectors(kv)
+    warm = FakeRequest("warm", PROMPT[:64])
+    schedule(wrapped, (warm, 64))
+    cache_blocks(kv, warm, 4)
+    warm.finished = True
+    wrapped.request_finished(warm)
+    retained = list(schedule(wrapped).retained_block_hashes)
+    assert retained == warm.block_hashes[:4]
+    request = FakeRequest("d", PROMPT, DECODE)
+    assert admit(wrapped, kv, request, 69) == (64, 5)
+    assert wrapped._rowless == set()  # no whole block loaded; block 4 not hashed yet
+    request.num_computed_tokens = 69
+    assert schedule(wrapped, (request, 1)).requests == {"d": 69}
+    request.append(*range(10))
+    schedule(wrapped, (request, 9))
+    cache_blocks(kv, request, 5)
+    following = FakeRequest("p", PROMPT + list(range(10)) + [5])
+    assert wrapped.max_cache_hit(following) == 64  # not 80: block 4 lacks rows 64..68
+    request.finished = True
+    wrapped.request_finished(request)
+    assert schedule(wrapped).retained_block_hashes is None
+    assert wrapped.max_cache_hit(following) == 64
+    assert wrapped._rowless == {request.block_hashes[4]}
+    # A plain request that computes block 4 whole publishes its rows: it has them now.
+    schedule(wrapped, (following, 81 - 64))
+    following.num_computed_tokens = 81
+    following.finished = True
+    wrapped.request_finished(following)
+    assert wrapped._rowless == set()
+    assert ext(request.block_hashes[4]) in wrapped._inner._kv_cached
+
+
+def test_a_partial_blocks_key_outlives_pruning_until_its_request_ends():
+    """Its key is recorded as soon as the request's hashes reach it, before the scheduler
+    caches the block: pruning (which drops keys the GPU does not cache) must keep it."""
+    kv = kv_cache()
+    _, wrapped = connectors(kv)
+    request = FakeRequest("d", PROMPT, DECODE)
+    assert admit(wrapped, kv, request, 69) == (0, 69)
+    request.num_computed_tokens = 69
+    cache_blocks(kv, request, 4)
+    schedule(wrapped, (request, 1))
+    request.append(*range(10))
+    wrapped.max_cache_hit(FakeRequest("x", [1] * 20))  # any entry point records it
+    partial = request.block_hashes[4]
+    assert partial in wrapped._rowless
+    wrapped._prune_rowless()  # block 4 is not cached yet
+    assert partial in wrapped._rowless
+    cache_blocks(kv, request, 5)
+    wrapped.request_finished(request)  # preempted: its entry goes, the cached key stays
+    wrapped._prune_rowless()
+    assert partial in wrapped._rowless and wrapped._partial_of == {}
+    evict(kv, partial)
+    wrapped._prune_rowless()
+    assert partial not in wrapped._rowless
 
 
 @pytest.mark.parametrize("params", [None, PREFILL], ids=["plain", "prefill-leg"])
