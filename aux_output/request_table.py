@@ -9,9 +9,8 @@ in order, so everything below ``base`` is bound in the store (or was a cached pr
 unbound blocks are always one contiguous range of at most ``W`` blocks. The kernel takes the
 slots on the device; each commit hands the table the ones its step took (``extend``).
 
-The table owns these invariants; callers change state only through its methods, except the
-cursor columns (``cursor``, ``scheduled``, ``emit``, ``finished``, ``launched``) that the step
-commit and the launch write as whole vectors.
+The table owns these invariants: callers read its columns, and change state only through its
+methods (the step commit's cursors with ``advance``, a finish with ``mark_finished``).
 """
 
 from __future__ import annotations
@@ -169,6 +168,20 @@ class RequestTable:
         """Rows of every live request, in the order the requests were added (int64)."""
         return np.fromiter(self.index.values(), np.int64, len(self.index))
 
+    # ---------------------------------------------------------------- cursors
+    def advance(self, rows: np.ndarray, cursor: object, scheduled: object, emit: object) -> None:
+        """A committed step's new cursors for ``rows`` (int64, distinct): ``cursor`` (end of
+        the captured rows), ``scheduled`` (end of the scheduled range) and ``emit`` (first row
+        not yet returned), each an int sequence or array aligned with ``rows``."""
+        self.cursor[rows] = cursor
+        self.scheduled[rows] = scheduled
+        self.emit[rows] = emit
+
+    def mark_finished(self, row: int) -> None:
+        """The scheduler finished the request at ``row``; its teardown may wait for steps in
+        flight (``StepsInFlight``)."""
+        self.finished[row] = True
+
     # ---------------------------------------------------------------- keys
     def add_keys(self, rows: Sequence[int], keys: KeyObjects, counts: Sequence[int]) -> None:
         """Append ``counts[i]`` consecutive ``keys`` to request ``rows[i]`` (the objects
@@ -275,6 +288,10 @@ class RequestTable:
         ``rows[i]`` (int64 arrays; the blocks must lie in the row's ring), row by row."""
         row_of, block = _block_runs(rows, firsts, counts)
         return self.ring[row_of, block % self.ring_width].astype(np.int64)
+
+    def slot_of(self, row: int, block: int) -> int:
+        """The slot of ``row``'s unbound hash block ``block``."""
+        return self.ring.item(row, block % self.ring_width)
 
     def arena_rows(self, rows: np.ndarray, positions: np.ndarray, block_size: int) -> np.ndarray:
         """Arena row (slot * B + offset, int64) of token ``positions[j]`` of ``rows[j]``; the

@@ -78,8 +78,7 @@ class RowReader:
         emit starts, worked out over Python ints. None for more than
         ``EMIT_PER_REQUEST_ROWS`` rows."""
         B = self._block_size
-        width = self._table.ring_width
-        ring = self._table.ring
+        slot_of = self._table.slot_of
         table_rows = rows.tolist()
         emit_starts = plan.emit_starts.tolist()
         token_ends = plan.token_ends.tolist()
@@ -95,7 +94,7 @@ class RowReader:
                 # A run of rows inside one block is a run of arena rows.
                 block = position // B
                 stop = min(end, block * B + B)
-                first = ring.item(row, block % width) * B + position - block * B
+                first = slot_of(row, block) * B + position - block * B
                 index.extend(range(first, first + stop - position))
                 position = stop
         return np.array(index, np.int64), counts, starts

@@ -170,9 +170,7 @@ def _commit_per_request(
             (materialize if emit < capture else direct).append(i)
             emit = end
         new_emits.append(emit)
-    table.cursor[rows] = token_ends
-    table.scheduled[rows] = new_scheduled
-    table.emit[rows] = new_emits
+    table.advance(rows, token_ends, new_scheduled, new_emits)
     return CommitPlan(
         np.array(capture_starts, np.int64),
         np.array(token_ends, np.int64),
@@ -228,9 +226,7 @@ def _commit_vectorized(
     before = emit_starts < capture_starts
     direct = (emits & ~before).nonzero()[0]
     materialize = (emits & before).nonzero()[0]
-    table.cursor[rows] = token_ends
-    table.scheduled[rows] = starts + num_tokens
-    table.emit[rows] = np.where(emits, token_ends, emit_starts)
+    table.advance(rows, token_ends, starts + num_tokens, np.where(emits, token_ends, emit_starts))
     return CommitPlan(
         capture_starts, token_ends, emit_starts, direct, materialize, rows_written, None
     )

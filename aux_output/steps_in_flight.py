@@ -56,7 +56,7 @@ class StepsInFlight:
         now = []
         for request_id in request_ids:
             row = table.index[request_id]
-            table.finished[row] = True
+            table.mark_finished(row)
             if row in in_flight:
                 self._deferred += 1
             else:

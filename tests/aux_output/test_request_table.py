@@ -49,6 +49,9 @@ def test_extend_starts_new_rows_at_their_first_block_and_wraps():
     extend(table, [b], [2], [1], [22])
     assert table.unbound_slots(np.array([a])).tolist() == [12, 13, 14, 15]
     assert table.unbound_slots(np.array([b])).tolist() == [20, 21, 22]
+    # The slot of one block, as the emit reads it, wraps the same way.
+    assert [table.slot_of(a, block) for block in (7, 8, 9, 10)] == [12, 13, 14, 15]
+    assert table.slot_of(b, 2) == 22
     positions = np.array([7 * 16 + 3, 10 * 16 + 15, 2 * 16])
     assert table.arena_rows(np.array([a, a, b]), positions, 16).tolist() == [
         12 * 16 + 3,
@@ -427,3 +430,14 @@ def test_rows_cache_answers_only_the_same_ids_in_the_same_version():
     # Without a cache name nothing is kept: the next lookup under a name looks up again.
     table.rows(["d"])
     assert table.rows(["d"], cache="batch").tolist() == [a]
+
+
+def test_advance_moves_only_the_named_rows_cursors_and_finish_marks_one_row():
+    table = RequestTable(ring_width=2)
+    a, b, c = (table.add(name, 0) for name in "abc")
+    table.advance(np.array([c, a]), [7, 3], [8, 4], [7, 0])
+    assert table.cursor[[a, b, c]].tolist() == [3, NO_CURSOR, 7]
+    assert table.scheduled[[a, b, c]].tolist() == [4, 0, 8]
+    assert table.emit[[a, b, c]].tolist() == [0, 0, 7]
+    table.mark_finished(b)
+    assert table.finished[[a, b, c]].tolist() == [False, True, False]
