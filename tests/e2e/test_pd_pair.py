@@ -13,18 +13,23 @@ from row 0: under ``splice`` a decode-leg request (the proxy marks it with
 ``kv_transfer_params: {"do_remote_prefill": true}``, which the ``ExampleConnector`` ignores)
 returns only the rows from its first computed token, so it never asks its store for rows of
 KV it loaded, and the engine stays alive.
+
+Single, concurrent and multi-turn requests (later turns hit the decoder's own prefix cache,
+then load the rest) run on one pair; n-gram speculative decoding on a second pair with the
+same speculative config on both servers, started once the first has stopped.
 """
 
 from __future__ import annotations
 
 import json
+import re
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import pytest
 
 from demo.pd_proxy import pd_complete
-from demo.scenario import FIRST_TOKEN_ID, complete
+from demo.scenario import FIRST_TOKEN_ID, SPECULATIVE_CONFIG, complete, read_counters
 from demo.serve import VLLMServer
 from demo.tiny_model import TINY_CONFIG
 
@@ -35,31 +40,41 @@ BLOCK = 32
 GREEDY = {"temperature": 0, "ignore_eos": True}
 
 
-def pd_server_args(role: str, shared_dir: str) -> list[str]:
+def pd_server_args(role: str, shared_dir: str, speculative: dict | None = None) -> list[str]:
     kv = {
         "kv_connector": "ExampleConnector",
         "kv_role": role,
         "kv_connector_extra_config": {"shared_storage_path": shared_dir},
     }
-    return [
+    args = [
         "--enable-return-routed-experts", "--enable-prompt-tokens-details",
         "--aux-output-backend", "triton", "--aux-output-pd", "splice",
         "--kv-transfer-config", json.dumps(kv),
         "--dtype", "float32", "--enforce-eager", "--skip-tokenizer-init",
         "--max-model-len", "512", "--block-size", str(BLOCK),
     ]  # fmt: skip
+    if speculative is not None:
+        args += ["--speculative-config", json.dumps(speculative)]
+    return args
 
 
 @pytest.fixture(scope="module")
-def pd_pair(tiny_model, server_env, log_dir, tmp_path_factory):
-    """(prefiller, decoder), started side by side (one core each) and always stopped."""
-    shared = str(tmp_path_factory.mktemp("pd-kv-shared"))
+def pd_pair(request, tiny_model, server_env, log_dir, tmp_path_factory):
+    """(prefiller, decoder), started side by side (one core each) and always stopped.
+
+    A test parametrized indirectly with a speculative config gets a pair that both run it.
+    The fixture is module-scoped and cached by that parameter: pytest stops the plain pair
+    before it starts the speculative one (never four servers at once), so the speculative
+    tests come last in this module."""
+    speculative = getattr(request, "param", None)
+    suffix = "" if speculative is None else f"-{speculative['method']}"
+    shared = str(tmp_path_factory.mktemp(f"pd-kv-shared{suffix}"))
     servers = [
         VLLMServer(
             tiny_model,
-            pd_server_args(role, shared),
+            pd_server_args(role, shared, speculative),
             env={**server_env, "VLLM_CPU_OMP_THREADS_BIND": core},
-            log_path=log_dir / f"pd-{name}.log",
+            log_path=log_dir / f"pd-{name}{suffix}.log",
         )
         for name, role, core in (("prefill", "kv_producer", "0"), ("decode", "kv_consumer", "1"))
     ]
@@ -157,5 +172,70 @@ def test_decoder_asked_from_row_0_returns_the_rows_it_computed_and_stays_alive(p
         results = list(pool.map(lambda job: _through_proxy(pd_pair, *job, 0), jobs))
     for (prompt, max_tokens), result in zip(jobs, results):
         _check_against_single_instance(pd_pair, hf_router, prompt, max_tokens, result, 0)
+    prefiller, decoder = pd_pair
+    assert prefiller.alive() and decoder.alive()
+
+
+def _decoder_counters(pd_pair) -> dict[str, float]:
+    """The decoder's prefix-cache hit tokens, local (``prefix_cache_hit_tokens``) and loaded
+    through the KV connector (``external_hit_tokens``), and its n-gram draft counters."""
+    _, decoder = pd_pair
+    text = decoder.metrics()
+    counters = read_counters(text)
+    counters["external_hit_tokens"] = sum(
+        float(value)
+        for value in re.findall(
+            r"^vllm:external_prefix_cache_hits_total(?:{[^}]*})? (\S+)$", text, re.M
+        )
+    )
+    return counters
+
+
+def test_multi_turn_conversation_spliced_rows_equal_one_instance_and_hf(pd_pair, hf_router):
+    """Three turns, each prompt the previous prompt, its answer and new tokens. From the
+    second turn on the decoder hits its own prefix cache for the earlier turns' whole blocks
+    (those it loaded and those it computed while decoding) and loads the rest of the new
+    prompt's whole blocks from the prefiller; every turn's splice is byte-identical to one
+    instance and to HF. The second turn asks the decoder from row 0: rows from its first
+    computed token, none of the rows of its local hit."""
+    # (new prompt tokens, max_tokens, decode_prompt_start, local hit, loaded) per turn:
+    # turn 1 decodes 70 + 30 tokens, so the decoder computes block 2 (tokens 64-95) itself.
+    turns = [(70, 30, None, 0, 64), (40, 12, 0, 96, 32), (30, 6, None, 128, 32)]
+    prompt: list[int] = []
+    for turn, (new_tokens, max_tokens, start, local_hit, loaded) in enumerate(turns):
+        prompt = prompt + _prompt(400 + turn, new_tokens)
+        before = _decoder_counters(pd_pair)
+        result = _through_proxy(pd_pair, prompt, max_tokens, decode_prompt_start=start)
+        _check_against_single_instance(pd_pair, hf_router, prompt, max_tokens, result, start)
+        after = _decoder_counters(pd_pair)
+        hits = {
+            key: after[key] - before[key]
+            for key in ("prefix_cache_hit_tokens", "external_hit_tokens")
+        }
+        assert hits == {"prefix_cache_hit_tokens": local_hit, "external_hit_tokens": loaded}, (
+            f"turn {turn + 1}"
+        )
+        assert local_hit + loaded == _example_connector_hit(len(prompt))
+        prompt = prompt + result.token_ids
+    prefiller, decoder = pd_pair
+    assert prefiller.alive() and decoder.alive()
+
+
+# Runs last (see pd_pair): its pair replaces the plain one.
+@pytest.mark.parametrize("pd_pair", [SPECULATIVE_CONFIG], indirect=True, ids=["ngram"])
+def test_speculative_decoding_spliced_rows_equal_one_instance_and_hf(pd_pair, hf_router):
+    """Both servers draft with n-grams. Repeating prompts make the decoder propose drafts it
+    accepts and rejects; the splice is byte-identical to one instance serving the request
+    with the same speculative config (the prefiller) and to HF, asked from the prefiller's
+    last row and from row 0."""
+    before = _decoder_counters(pd_pair)
+    jobs = [([5, 6, 7, 8, 9] * 14, 40, None), ([11, 12, 13, 14] * 12, 30, 0)]
+    for prompt, max_tokens, start in jobs:
+        result = _through_proxy(pd_pair, prompt, max_tokens, decode_prompt_start=start)
+        _check_against_single_instance(pd_pair, hf_router, prompt, max_tokens, result, start)
+    after = _decoder_counters(pd_pair)
+    drafted = after["spec_draft_tokens"] - before["spec_draft_tokens"]
+    accepted = after["spec_accepted_tokens"] - before["spec_accepted_tokens"]
+    assert 0 < accepted < drafted, (accepted, drafted)
     prefiller, decoder = pd_pair
     assert prefiller.alive() and decoder.alive()
