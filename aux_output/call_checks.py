@@ -171,11 +171,11 @@ def check_host_counts(name: str, counts: Any, num_reqs: int) -> None:
 
 def checked_batch_arrays(
     input_batch: Any, max_num_seqs: int, max_num_batched_tokens: int
-) -> tuple[list[str], np.ndarray, np.ndarray]:
-    """``input_batch``'s request ids (a list it owns), scheduler starts (``[R]``) and
-    ``query_start_loc`` (``[R + 1]``; ``[0]`` for an empty step), after checking they agree
-    and fit the worker's limits. The arrays are views: Model Runner V2 makes them anew for
-    every step."""
+) -> tuple[list[str], np.ndarray, np.ndarray, int]:
+    """``input_batch``'s request ids (a list it owns), scheduler starts (``[R]``),
+    ``query_start_loc`` (``[R + 1]``; ``[0]`` for an empty step) and rows (its last entry),
+    after checking they agree and fit the worker's limits. The arrays are views: Model
+    Runner V2 makes them anew for every step."""
     request_ids = list(input_batch.req_ids)
     num_reqs = len(request_ids)
     if num_reqs > max_num_seqs:
@@ -194,14 +194,14 @@ def checked_batch_arrays(
             f"input_batch.num_computed_tokens_np must have >= {num_reqs} entries; got {len(starts)}"
         )
     if num_reqs == 0:
-        return request_ids, starts, _EMPTY_QSL
+        return request_ids, starts, _EMPTY_QSL, 0
     num_rows = int(qsl[-1])
     if num_rows > max_num_batched_tokens:
         raise ValueError(
             f"input_batch has {num_rows} rows, more than max_num_batched_tokens "
             f"({max_num_batched_tokens})"
         )
-    return request_ids, starts, qsl
+    return request_ids, starts, qsl, num_rows
 
 
 _EMPTY_QSL = np.zeros(1, np.int64)

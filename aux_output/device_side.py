@@ -30,7 +30,7 @@ import torch
 
 from r3capture.aux_output.errors import require
 from r3capture.kernels import GatherAllocLaunch, can_write_host_directly
-from r3capture.kernels._alloc_checks import AllocShape
+from r3capture.kernels._alloc_checks import AllocShape, check_alloc_step_args
 
 TORCH_DTYPES = {np.dtype(np.uint8): torch.uint8, np.dtype(np.uint16): torch.uint16}
 
@@ -201,9 +201,11 @@ class DeviceSide:
     ) -> AllocShape:
         """The kernel's checks of one step's device inputs (``KernelArgumentError`` names
         a bad one), made before anything changes; ``launch`` then repeats none of them."""
-        return self._launches[self._next].check_step(
-            query_start_loc, positions, request_index, num_rejected, None,
-            launch=launch, queue_tail=queue_tail, num_reqs=num_reqs, num_rows=num_rows,
+        return check_alloc_step_args(
+            self._launches[self._next].static, query_start_loc=query_start_loc,
+            positions=positions, request_index=request_index, num_rejected=num_rejected,
+            fresh=None, num_reqs=num_reqs, num_rows=num_rows, launch=launch,
+            queue_tail=queue_tail,
         )  # fmt: skip
 
     def launch(

@@ -186,7 +186,7 @@ class RequestBook:
     # ------------------------------------------------------------------ prepare_output
     def layout_of(self, input_batch: Any) -> StepLayout:
         """The step's request ids, table rows, scheduler starts and query_start_loc."""
-        request_ids, starts, qsl = checked_batch_arrays(
+        request_ids, starts, qsl, num_rows = checked_batch_arrays(
             input_batch, self.sizing.max_num_seqs, self.sizing.max_num_batched_tokens
         )
         tearing_down = self._key_work.tearing_down
@@ -197,15 +197,9 @@ class RequestBook:
             if len(set(request_ids)) != len(request_ids):
                 raise ValueError(f"input_batch.req_ids names a request twice: {request_ids}")
             self._checked_rows = rows
-        return StepLayout(request_ids, rows, starts, qsl)
+        return StepLayout(request_ids, rows, starts, qsl, num_rows)
 
     _checked_rows: np.ndarray | None = None
-
-    def launch(
-        self, layout: StepLayout, input_batch: Any, num_rejected: torch.Tensor | None
-    ) -> LaunchedStep:
-        """One kernel launch for the step (``StepLauncher.launch``)."""
-        return self.launcher.launch(layout, input_batch, num_rejected)
 
     # ------------------------------------------------------------------ process_output
     def commit(

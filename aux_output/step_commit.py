@@ -40,9 +40,12 @@ class StepLayout:
     """What ``prepare_output`` knew about a step, one entry per request: ``request_ids``,
     ``rows`` (request-table rows, int64 ``[R]``), ``token_starts`` (the scheduler's start of
     each request's rows, ``[R]``), ``query_start_loc`` (``[R + 1]``) and ``num_tokens``
-    (rows scheduled per request, ``[R]``); integer arrays."""
+    (rows scheduled per request, ``[R]``); integer arrays. ``num_rows``: the step's rows
+    (``query_start_loc[-1]``), an int."""
 
-    __slots__ = ("request_ids", "rows", "token_starts", "query_start_loc", "_num_tokens")
+    __slots__ = (
+        "request_ids", "rows", "token_starts", "query_start_loc", "num_rows", "_num_tokens"
+    )  # fmt: skip
 
     def __init__(
         self,
@@ -50,11 +53,13 @@ class StepLayout:
         rows: np.ndarray,
         token_starts: np.ndarray,
         query_start_loc: np.ndarray,
+        num_rows: int | None = None,
     ) -> None:
         self.request_ids = request_ids
         self.rows = rows
         self.token_starts = token_starts
         self.query_start_loc = query_start_loc
+        self.num_rows = int(query_start_loc[-1]) if num_rows is None else num_rows
         self._num_tokens: np.ndarray | None = None
 
     @property

@@ -18,13 +18,13 @@ import torch
 
 from r3capture.aux_output.call_checks import input_batch_error
 from r3capture.aux_output.device_side import DeviceSide, LaunchedStep
+from r3capture.aux_output.errors import require
 from r3capture.aux_output.request_table import RequestTable
 from r3capture.aux_output.sizing import WorkerSizing, queue_size, queue_stock
 from r3capture.aux_output.slot_queue import SlotQueue
 from r3capture.aux_output.step_commit import StepLayout
 from r3capture.aux_output.steps_in_flight import StepsInFlight
 from r3capture.kernels import KernelArgumentError
-from r3capture.kernels._alloc_checks import AllocShape
 from r3capture.store import BlockStore
 
 
@@ -103,10 +103,15 @@ class StepLauncher:
     def launch(
         self, layout: StepLayout, input_batch: Any, num_rejected: torch.Tensor | None
     ) -> LaunchedStep:
-        """Check the batch's device inputs (``query_start_loc`` ``[>= R+1]``, ``positions``
-        ``[>= num_rows]``, ``idx_mapping`` ``[>= R]``, 1-D, on the device) and launch the
-        kernel. A refused input changes nothing."""
-        num_rows = int(layout.query_start_loc[-1])
+        """Check that a step may launch (fewer than ``max_concurrent_batches`` in flight) and
+        the batch's device inputs (``query_start_loc`` ``[>= R+1]``, ``positions``
+        ``[>= num_rows]``, ``idx_mapping`` ``[>= R]``, 1-D, on the device), then launch the
+        kernel. A refused step or input changes nothing."""
+        require(
+            len(self._steps.layouts) < self._sizing.max_concurrent_batches,
+            "auxiliary output step outputs are not consumed in order",
+        )
+        num_rows = layout.num_rows
         num_reqs = len(layout.rows)
         if not num_reqs:
             launched = self.device_side.launch(
@@ -121,7 +126,16 @@ class StepLauncher:
             num_rejected,
         )
         queue = self.queue
-        shape = self._checked_shape(device_inputs, num_reqs, num_rows, queue.tail)
+        try:
+            shape = self.device_side.check_step(
+                *device_inputs,
+                num_reqs=num_reqs,
+                num_rows=num_rows,
+                launch=self._launches + 1,
+                queue_tail=queue.tail,
+            )
+        except KernelArgumentError as exc:
+            raise input_batch_error(exc) from None
         # Most blocks the launch can open: each request's rows and a partial first block.
         tail = queue.reserve(num_rows // self._block_size + num_reqs)
         if self._detached:
@@ -137,22 +151,6 @@ class StepLauncher:
         self._launches += 1
         self._steps.add(layout)
         return launched
-
-    def _checked_shape(
-        self, device_inputs: tuple[Any, ...], num_reqs: int, num_rows: int, queue_tail: int
-    ) -> AllocShape:
-        """The launcher's check of ``(query_start_loc, positions, idx_mapping,
-        num_rejected)``. A refused input raises the error naming ``input_batch``."""
-        try:
-            return self.device_side.check_step(
-                *device_inputs,
-                num_reqs=num_reqs,
-                num_rows=num_rows,
-                launch=self._launches + 1,
-                queue_tail=queue_tail,
-            )
-        except KernelArgumentError as exc:
-            raise input_batch_error(exc) from None
 
     def _attach(self) -> None:
         """Make the kernel's destination the store's current arena."""

@@ -207,11 +207,7 @@ class TritonAuxOutputWorker:
             return None
         with self._lock:
             layout = self._book.layout_of(input_batch)
-            require(
-                self._book.num_in_flight < self.sizing.max_concurrent_batches,
-                "auxiliary output step outputs are not consumed in order",
-            )
-            launched = self._book.launch(layout, input_batch, num_rejected)
+            launched = self._book.launcher.launch(layout, input_batch, num_rejected)
         return PendingStep(self, layout, launched)
 
     def process_output(self, pending: PendingStep) -> dict[str, AuxRequestOutput]:

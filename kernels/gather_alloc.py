@@ -67,6 +67,7 @@ from r3capture.kernels._alloc_checks import (
     BLOCK_LIMIT,
     RECORD_HI_BITS,
     AllocShape,
+    AllocStatic,
     check_alloc_static_args,
     check_alloc_step_args,
 )
@@ -568,6 +569,12 @@ class GatherAllocLaunch:
                     addresses.get(name, self._kernel_args.get(name)) for name in names
                 ]
                 self._step_slots = tuple(names.index(name) for name in _STEP_ARGS)
+
+    @property
+    def static(self) -> AllocStatic:
+        """The validated step-independent arguments (``check_alloc_step_args`` checks a step
+        against them)."""
+        return self._static
 
     @property
     def step_info(self) -> torch.Tensor:
