@@ -98,7 +98,7 @@ class RequestBook:
         )
 
     def make_device_side(self, capture_buffer: torch.Tensor, kernel_impl: str) -> DeviceSide:
-        """The device half, sized from this book; the book launches through it."""
+        """The device half, sized from this book; its ``launcher`` launches through it."""
         self.device_side = self.launcher.make_device_side(
             self.store, capture_buffer, kernel_impl, self._key_work.apply_teardown
         )

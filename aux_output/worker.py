@@ -8,7 +8,7 @@ Per step (same call order and threads as vLLM's ``AuxOutputWorkerConnector``):
    thread (``RequestBook.begin``, ``key_work.py``).
 2. ``prepare_output(input_batch)`` (main thread): the batch's device inputs are checked and
    one kernel launch writes every accepted row into its slot, taking the slots of new
-   blocks itself from the free-slot queue (``RequestBook.launch`` + ``DeviceSide.launch``);
+   blocks itself from the free-slot queue (``StepLauncher.launch`` + ``DeviceSide.launch``);
    no per-request work and no upload.
 3. ``PendingStep.enqueue_cpu_copy`` (copy stream): the host counts are recorded and the
    kernel's per-request results (and, in the staging destination, the step's rows) are
