@@ -6,6 +6,8 @@
 * ``engine``: the mini engine (``run_trace``) driving a scheduler connector and one worker
   connector in vLLM 0.33.0's call order, with ground-truth checks.
 * ``workers``: vLLM 0.33.0's and r3capture's worker connectors built without a model.
+* ``pd``: P/D decoder traces (decode-leg requests loading a prefiller's KV) through the
+  ``splice`` scheduler wrapper and worker, checked against the oracle and vLLM's own run.
 * ``interleaving``: a repeatable, seed-drawn order of ``process_output`` against the step
   thread's calls (``run_trace(..., interleave_seed=N)``), where threads give one order a run.
 """

@@ -90,7 +90,7 @@ class SimEngine:
             hash_block_size=cfg.hash_block_size,
             offload_blocks=cfg.offload_blocks,
         )
-        kv_connector = object() if cfg.offload_blocks else None
+        kv_connector = object() if cfg.offload_blocks or cfg.remote_prefill else None
         # One random stream, drawn in the engine's call order (drafts, acceptances, padding).
         rng = np.random.default_rng([trace.seed, 0x5EC])
         self.result = SimResult(trace, worker.name)

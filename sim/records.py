@@ -35,6 +35,11 @@ class SimRequest:
         self.hash_block_size = hash_block_size
         self.block_hashes: list[bytes] = block_hashes_for(self.all_token_ids, hash_block_size)
         self.sampling_params = SimpleNamespace(routed_experts_prompt_start=spec.prompt_start)
+        # Decode-leg requests carry what a router sends; the KV connector clears the flag.
+        self.kv_transfer_params = (
+            None if spec.remote_prefill is None else {"do_remote_prefill": True}
+        )
+        self.first_computed = 0  # num_computed_tokens at its latest admission
         self.max_tokens = spec.max_tokens
         self.num_computed_tokens = 0
         self.num_output_placeholders = 0
@@ -63,6 +68,20 @@ class SimRequest:
 
     def is_finished(self) -> bool:
         return self.status in _FINISHED
+
+    def remote_prefill_hit(self, num_local: int) -> int:
+        """Tokens a P/D KV connector loads after a local hit of ``num_local``: the rest of
+        what the prefiller computed, until the connector has scheduled the transfer (NIXL's
+        ``get_num_new_matched_tokens``; a resumed request loads nothing)."""
+        params = self.kv_transfer_params
+        if not params or not params.get("do_remote_prefill"):
+            return 0
+        return max(self.spec.remote_prefill - num_local, 0)
+
+    def remote_prefill_scheduled(self) -> None:
+        """NIXL's ``update_state_after_alloc``: the transfer is scheduled (or not needed)."""
+        if self.kv_transfer_params:
+            self.kv_transfer_params["do_remote_prefill"] = False
 
     def append_output_token(self, token: int) -> None:
         self.all_token_ids.append(token)
@@ -94,6 +113,9 @@ class SimStats:
     in_flight_hit_blocks: int = 0
     external_hit_tokens: int = 0
     external_hits_capped: int = 0
+    remote_hits: int = 0
+    remote_hits_unaligned: int = 0
+    decode_leg_preemptions: int = 0
     async_loads: int = 0
     hash_only_updates: int = 0
     finished_in_flight: int = 0
@@ -137,7 +159,8 @@ class SimResult:
     ``metas``: the scheduler metadata of every step (when recorded); ``emitted``: per
     request, each non-None ``take_output`` result as ``(token_start, rows)`` (the arrays
     themselves, so outputs that alias reused buffers are caught by the final check);
-    ``emit_start``: first token_start per request; ``final_tokens`` / ``finish_status``:
+    ``emit_start``: first token_start per request; ``first_computed``: per request, its
+    computed tokens at the admission whose run first emitted; ``final_tokens`` / ``finish_status``:
     per finished or aborted request; ``error``: the first error (``catch_errors=True``).
     """
 
@@ -147,6 +170,7 @@ class SimResult:
     metas: list[Any] = field(default_factory=list)
     emitted: dict[str, list[tuple[int, np.ndarray]]] = field(default_factory=dict)
     emit_start: dict[str, int] = field(default_factory=dict)
+    first_computed: dict[str, int] = field(default_factory=dict)
     final_tokens: dict[str, list[int]] = field(default_factory=dict)
     finish_status: dict[str, str] = field(default_factory=dict)
     error: SimError | None = None

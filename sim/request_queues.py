@@ -91,6 +91,7 @@ class RequestQueues:
 
     def preempt(self, request: SimRequest, drop_stale_output: bool = False) -> None:
         self.stats.preemptions += 1
+        self.stats.decode_leg_preemptions += request.kv_transfer_params is not None
         self.aux.request_finished(request)
         self.terminal_pending = True
         self.kv.free(request)

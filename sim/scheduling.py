@@ -178,13 +178,17 @@ class SimScheduler:
             if request.num_computed_tokens == 0:
                 max_hit = self.aux.max_cache_hit(request) if cfg.cap_hits else None
                 hit_blocks, local = kv.get_computed_blocks(request, max_hit)
-                if kv.offload is not None:
-                    found = kv.external_hit(request, local)
+                if kv.offload is not None or cfg.remote_prefill:
+                    remote = request.remote_prefill_hit(local)
+                    found = max(kv.external_hit(request, local), remote)
                     external = found
                     if cfg.cap_hits:
                         external = self.aux.cap_external_hit(request, local, found)
                         if external < found:
                             self.stats.external_hits_capped += 1
+                    if remote and external:
+                        self.stats.remote_hits += 1
+                        self.stats.remote_hits_unaligned += bool(external % kv.block_size)
                     if cfg.async_kv_load and external > 0:
                         # Reserve the rest of the request too: loads that each hold part
                         # of their blocks could otherwise wait on each other forever.
@@ -200,9 +204,10 @@ class SimScheduler:
                         ):
                             break
                         request.num_computed_tokens = local + external
+                        request.remote_prefill_scheduled()
                         self.aux.request_loading(request, request.num_computed_tokens)
                         request.status = LOADING
-                        request.load_ready_step = self.step_index + 1
+                        request.load_ready_step = self.step_index + request.spec.load_steps
                         self.stats.async_loads += 1
                         self.stats.prefix_hit_tokens += local
                         self.stats.external_hit_tokens += external
@@ -222,6 +227,7 @@ class SimScheduler:
                 num_lookahead_tokens=k,
             ):
                 break
+            request.remote_prefill_scheduled()
             del self.waiting[index]
             self.stats.prefix_hit_tokens += local
             for block in hit_blocks:
@@ -240,6 +246,7 @@ class SimScheduler:
             num_scheduled[req_id] = n
             budget -= n
             admitted[req_id] = (list(request.all_token_ids), computed)
+            request.first_computed = computed
 
         meta = self.aux.build_connector_meta(
             SimpleNamespace(num_scheduled_tokens=num_scheduled, scheduled_spec_decode_tokens=spec),
@@ -320,6 +327,7 @@ class SimScheduler:
                 if rows is not None:
                     token_start = output[req_id].token_start
                     self.result.emit_start.setdefault(req_id, token_start)
+                    self.result.first_computed.setdefault(req_id, request.first_computed)
                     self.result.emitted.setdefault(req_id, []).append((token_start, rows))
                     self.stats.emitted_rows += len(rows)
             if stopped:

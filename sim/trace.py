@@ -54,7 +54,9 @@ class EngineConfig:
     request in ``query_start_loc_np``). ``kv_delivery`` stands for a KV connector whose
     hand-off must be delivered (vLLM's ``requires_kv_delivery``, a producer role): a
     preempted request's output still in flight is then dropped, and the request may be
-    scheduled again while it is.
+    scheduled again while it is. ``remote_prefill`` adds a P/D KV connector (NIXL's decoder
+    side) that loads the prompt KV of decode-leg requests (``RequestSpec.remote_prefill``)
+    from a prefiller, asynchronously with ``async_kv_load``.
     """
 
     block_size: int = 16
@@ -73,6 +75,7 @@ class EngineConfig:
     max_bytes: int | None = None
     pad_tokens_to: int = 0
     kv_delivery: bool = False
+    remote_prefill: bool = False
 
 
 @dataclass(frozen=True)
@@ -82,7 +85,11 @@ class RequestSpec:
     past the stop before it notices. ``after``: arrives ``arrival_step`` steps after that
     request finished (multi-turn); otherwise at step ``arrival_step``. ``abort_step``:
     the client aborts it before that step is scheduled. ``accept_prob``: this request's
-    per-draft acceptance probability (None: the engine's ``accept_prob``)."""
+    per-draft acceptance probability (None: the engine's ``accept_prob``).
+    ``remote_prefill``: a decode-leg request (``kv_transfer_params`` with
+    ``do_remote_prefill``) whose first ``remote_prefill`` prompt tokens' KV a prefiller
+    computed (the prompt less NIXL's prefill backoff); None for other requests.
+    ``load_steps``: steps an asynchronous KV load of it takes."""
 
     req_id: str
     prompt: tuple[int, ...]
@@ -93,6 +100,8 @@ class RequestSpec:
     after: str | None = None
     abort_step: int | None = None
     accept_prob: float | None = None
+    remote_prefill: int | None = None
+    load_steps: int = 1
 
 
 @dataclass(frozen=True)

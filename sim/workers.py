@@ -125,10 +125,13 @@ def make_r3capture_worker(
     destination: str | None = None,
     pass_num_rejected: bool = True,
     is_output_rank: bool = True,
+    partial_first_ok: bool = False,
 ) -> WorkerHandle:
     """r3capture's TritonAuxOutputWorker. With ``pass_num_rejected`` the step's rejected
     counts reach ``prepare_output`` as a device tensor (the GPU handoff); without it the
-    worker must drop rejected rows from the numpy counts of ``enqueue_cpu_copy``."""
+    worker must drop rejected rows from the numpy counts of ``enqueue_cpu_copy``.
+    ``partial_first_ok``: the worker under ``--aux-output-pd splice`` (a first capture may
+    start inside a hash block)."""
     from r3capture.aux_output.worker import TritonAuxOutputWorker
 
     worker = TritonAuxOutputWorker(
@@ -137,6 +140,7 @@ def make_r3capture_worker(
         destination=destination,
         kernel_impl=kernel_impl,
         is_output_rank=is_output_rank,
+        partial_first_ok=partial_first_ok,
     )
     buffer = worker.capture_buffer
 
