@@ -33,6 +33,9 @@ times r3capture as if those parts of its host work cost nothing; it is written a
 ``host_step_free_<parts>.json`` so the measured run stays apart. ``--max-num-seqs 1024``
 (vLLM's serve default on H100/H200-class GPUs) replaces every family's own, which sizes
 both connectors and caps the requests run at once; written as ``host_step_seqs<N>.json``.
+``--defer-kernel`` runs r3capture's kernel emulation where the host would next wait for the
+device instead of inside ``prepare_output`` (a GPU runs it while the host goes on), to show
+how much of r3capture's host time the emulation's place moves; ``host_step_deferred.json``.
 """
 
 from __future__ import annotations
@@ -347,6 +350,7 @@ def run(
     seed: int = 0,
     free: list[str] | None = None,
     max_num_seqs: int | None = None,
+    defer_kernel: bool = False,
 ) -> tuple[list[Result], dict[str, Any]]:
     started = time.perf_counter()
     groups = [(model, depth) for depth in depths for model in models]
@@ -388,6 +392,7 @@ def run(
                             "--out",
                             str(out_path),
                             *(["--free", ",".join(free)] if free and provider == OURS else []),
+                            *(["--defer-kernel"] if defer_kernel and provider == OURS else []),
                             *dirs[(model, depth)],
                         ]
                     )
@@ -415,6 +420,8 @@ def run(
     summaries: dict[tuple[str, str, int], dict] = {}
     recordings = {}
     what_if = f", r3capture with {' and '.join(free)} counted as free" if free else ""
+    if defer_kernel:
+        what_if += ", r3capture's kernel emulation deferred to the next wait"
     print(
         f"\nratios vLLM / r3capture ({HEADLINE_NAME}; > 1 = r3capture cheaper{what_if}); "
         "p50 columns: vLLM/r3capture us",
@@ -512,6 +519,12 @@ def main(argv: list[str] | None = None) -> int:
         "--free", help="what-if: r3capture's parts counted as free, of: " + ",".join(ABLATIONS)
     )
     parser.add_argument(
+        "--defer-kernel",
+        action="store_true",
+        help="what-if: r3capture's kernel emulation runs where the host would next wait for "
+        "the device, not inside prepare_output (bench/stand_ins.KernelStandIn)",
+    )
+    parser.add_argument(
         "--max-num-seqs",
         type=int,
         help="every trace's max_num_seqs (default: each family's own; vLLM serves with 1024 "
@@ -548,10 +561,12 @@ def main(argv: list[str] | None = None) -> int:
         seed=args.seed,
         free=free,
         max_num_seqs=args.max_num_seqs,
+        defer_kernel=args.defer_kernel,
     )
     identical = all(s["identical"] for s in info["summaries"].values())
     seqs = [f"seqs{args.max_num_seqs}"] if args.max_num_seqs else []
-    name = "_".join(["host_step", *seqs, *(["free", *free] if free else [])])
+    deferred = ["deferred"] if args.defer_kernel else []
+    name = "_".join(["host_step", *seqs, *deferred, *(["free", *free] if free else [])])
     write_results(
         name,
         rows,

@@ -407,6 +407,7 @@ def replay(
     from sim.recording import BEGIN, ENQUEUE, PREPARE, PROCESS, digest_outputs, vllm_metadata_types
 
     exclusion = exclusion if exclusion is not None else _NoExclusion()
+    settle = getattr(exclusion, "settle", _noop)
     inputs = _build_inputs(recording, metadata_types or vllm_metadata_types())
     conn = make_connector(connector, recording.sizing)
     exclusions = (exclusion, *conn.exclusions)
@@ -443,6 +444,7 @@ def replay(
             elif kind == PREPARE:
                 call = event[2]
                 n = call.num_rows
+                settle()  # deferred launches read the rows about to be replaced
                 conn.capture[:n] = rows[call.rows_offset : call.rows_offset + n]
                 conn.stage(int(call.query_start_loc[len(call.req_ids)]))
                 fn, args = conn.prepare, (inputs.batches[step], inputs.rejected[step])
@@ -451,6 +453,7 @@ def replay(
                 fn = pending[step].enqueue_cpu_copy
                 kwargs = {"num_sampled": late_sampled, "num_rejected": late_rejected}
             elif kind == PROCESS:
+                settle()  # the step's results, as after its copy event
                 for late, final in zip(inputs.late[step], inputs.final[step]):
                     late[:] = final
                 fn = pending.pop(step).process_output
@@ -544,7 +547,13 @@ def _replay_main(args: argparse.Namespace) -> int:
     # One thread for torch: thread CPU time then covers all of a call's torch work.
     torch.set_num_threads(1)
     metadata_types = vllm_metadata_types()
-    exclusion = KernelStandIn().__enter__() if args.connector == "r3capture" else None
+    if args.defer_kernel and args.connector != "r3capture":
+        raise SystemExit(f"--defer-kernel applies to r3capture only, not {args.connector}")
+    exclusion = (
+        KernelStandIn(defer=args.defer_kernel).__enter__()
+        if args.connector == "r3capture"
+        else None
+    )
     free = args.free.split(",") if args.free else []
     if free and exclusion is None:
         raise SystemExit(f"--free applies to r3capture only, not {args.connector}")
@@ -613,6 +622,11 @@ def main(argv: list[str] | None = None) -> int:
     rep.add_argument("--out", required=True)
     rep.add_argument(
         "--free", default="", help="r3capture only: comma-separated ablations counted as free"
+    )
+    rep.add_argument(
+        "--defer-kernel",
+        action="store_true",
+        help="r3capture only: its kernel emulation runs where the host would wait for it",
     )
     rep.add_argument("dirs", nargs="+")
     args = parser.parse_args(argv)

@@ -92,18 +92,48 @@ class KernelStandIn:
 
     ``excluded_wall_ns`` / ``excluded_cpu_ns`` accumulate the wrapped calls' time;
     ``launches`` counts kernel launches.
+
+    ``defer=True`` (a what-if): the emulation runs where a host would next wait for the
+    device instead of inside the launching call, as a GPU runs the kernel while the host goes
+    on: ``settle()`` runs the launches made since the last one, in order; the harness calls
+    it before it writes the next step's rows and before each ``process_output``, and the
+    worker's ``DeviceSide.wait_idle`` (a store about to replace its arena) calls it first.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, *, defer: bool = False) -> None:
         self.excluded_wall_ns = 0
         self.excluded_cpu_ns = 0
         self.launches = 0
-        self._bindings: list[tuple[ModuleType, str, Any]] = []
+        self.defer = defer
+        self._deferred: list[tuple[Any, tuple, dict]] = []
+        self._bindings: list[tuple[Any, str, Any]] = []
 
     def __enter__(self) -> KernelStandIn:
         module, attr = kernel_binding()
         self._wrap(module, attr, self._count_launch)
+        if self.defer:
+            from r3capture.aux_output.device_side import DeviceSide
+
+            wait_idle = DeviceSide.wait_idle
+
+            def settled_wait_idle(side: Any) -> None:
+                self.settle()
+                wait_idle(side)
+
+            self._bindings.append((DeviceSide, "wait_idle", wait_idle))
+            DeviceSide.wait_idle = settled_wait_idle
         return self
+
+    def settle(self) -> None:
+        """Run the deferred launches (``defer``), oldest first, with their time excluded."""
+        wall, cpu = time.perf_counter_ns, time.thread_time_ns
+        while self._deferred:
+            original, args, kwargs = self._deferred.pop(0)
+            w0, c0 = wall(), cpu()
+            original(*args, **kwargs)
+            c1, w1 = cpu(), wall()
+            self.excluded_wall_ns += w1 - w0
+            self.excluded_cpu_ns += c1 - c0
 
     def _count_launch(self, *args: Any, **kwargs: Any) -> int:
         self.launches += 1
@@ -114,6 +144,11 @@ class KernelStandIn:
         wall, cpu = time.perf_counter_ns, time.thread_time_ns
 
         def stand_in(*args: Any, **kwargs: Any) -> Any:
+            if self.defer:
+                self._deferred.append((original, args, kwargs))
+                for _ in range(count(*args, **kwargs)):
+                    launch_stand_in()
+                return None
             w0, c0 = wall(), cpu()
             try:
                 return original(*args, **kwargs)
@@ -128,6 +163,7 @@ class KernelStandIn:
         setattr(module, attr, stand_in)
 
     def __exit__(self, *exc: object) -> None:
+        self.settle()
         while self._bindings:
             module, attr, original = self._bindings.pop()
             setattr(module, attr, original)

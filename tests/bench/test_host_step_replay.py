@@ -11,6 +11,7 @@ import time
 
 import numpy as np
 import pytest
+import torch
 
 from bench import stand_ins
 from bench.host_step_families import FAMILIES
@@ -166,6 +167,45 @@ def test_kernel_stand_in_excludes_the_device_work(monkeypatch):
     main = excluded.calls[:3, :, :].sum(axis=0)  # [steps, (wall, cpu)]
     assert (main[:, 1] < slow_ns // 5).all(), main[:, 1].max()
     assert np.median(main[:, 0]) < slow_ns // 5
+
+
+def test_deferred_kernel_runs_outside_every_call_and_keeps_the_outputs(monkeypatch):
+    """``KernelStandIn(defer=True)``: a slow kernel (50 ms of CPU per launch) runs where the
+    host would wait for the device, in no timed call, every launch exactly once, and the
+    outputs stay the simulator's (the rows are read before the next step replaces them)."""
+    recording = record_trace(make_trace("spec_decode", seed=0))
+    slow_ns = 50_000_000
+    module, attr = kernel_binding()
+    launched = []
+    slow = _slow(getattr(module, attr), slow_ns)
+
+    def slow_kernel(*args, **kwargs):
+        launched.append(1)
+        return slow(*args, **kwargs)
+
+    monkeypatch.setattr(module, attr, slow_kernel)
+    forward = [e[1] for e in recording.events if e[0] == PREPARE]
+    with KernelStandIn(defer=True) as exclusion:
+        deferred = replay(recording, "r3capture", exclusion=exclusion)
+    assert deferred.digests == recording.digests
+    assert deferred.launches == len(launched) == len(forward)
+    assert deferred.excluded_cpu_ns >= slow_ns * len(forward)
+    assert (deferred.calls[:, :, 1] < slow_ns // 5).all(), deferred.calls[:, :, 1].max()
+
+
+def test_deferred_kernel_settles_before_the_device_side_waits(monkeypatch):
+    """A store replacing its arena waits for the device (``DeviceSide.wait_idle``): under
+    ``defer`` the launches not yet run run first; the method is restored on exit."""
+    from r3capture.aux_output.device_side import DeviceSide
+
+    original = DeviceSide.wait_idle
+    ran = []
+    side = type("Side", (), {"device": torch.device("cpu")})()
+    with KernelStandIn(defer=True) as exclusion:
+        exclusion._deferred.append((ran.append, ("launch",), {}))
+        DeviceSide.wait_idle(side)
+        assert ran == ["launch"]
+    assert DeviceSide.wait_idle is original
 
 
 def test_free_parts_take_their_whole_time_out_of_the_calls(monkeypatch):
