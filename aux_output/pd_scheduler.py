@@ -13,13 +13,15 @@ first token it computes) its worker would look them up in a store that never had
   prefix hit plus loaded KV). Rows below it are never read, so the worker never asks its
   store for rows it does not hold. A router splices the prefiller's rows before them.
 * **vLLM 0.33.x only** (its connector caps external KV hits at the rows it holds):
-  ``cap_external_hit`` lets a decode-leg hit through when it ends short of the request's last
-  token, block-aligned or not (NIXL's prefill backoff ends it mid-block; the worker, under
-  ``splice``, starts the first capture there). The loaded blocks, and the block the hit ends
-  inside (whose rows before the hit's end were never computed here; its hash may only appear
-  once the request's output completes it), are recorded as *rowless* (their rows are nowhere
-  on this instance) until they leave the GPU prefix cache or a request computes them whole;
-  rowless blocks are never retained (``_kv_cached`` / ``retained_block_hashes``) and
+  ``cap_external_hit`` lets a decode-leg hit through, block-aligned or not (NIXL's prefill
+  backoff ends it mid-block; the worker, under ``splice``, starts the first capture there),
+  up to the whole prompt (NIXL without backoff: after that asynchronous load vLLM rewinds
+  ``num_computed_tokens`` to ``num_tokens - 1`` and recomputes the last token, so the first
+  capture starts at that token). The loaded blocks, and the block the first computed
+  position falls inside (whose earlier rows were never computed here; its hash may only
+  appear once the request's output completes it), are recorded as *rowless* (their rows are
+  nowhere on this instance) until they leave the GPU prefix cache or a request computes them
+  whole; rowless blocks are never retained (``_kv_cached`` / ``retained_block_hashes``) and
   ``max_cache_hit`` stops at them for every request but a decode-leg one (which never reads
   rows below its first computed position, so it may reuse their KV).
 * Prefill-leg (``do_remote_decode``) and plain requests are scheduled exactly as before.
@@ -68,8 +70,9 @@ class PDSchedulerConnector:
       rows this instance does not hold), ``_rowless_of`` (request id -> the rowless keys its
       KV load brings, kept from ``cap_external_hit`` until its first schedule, so that pruning
       never drops them while the load is in flight and the blocks are not cached yet) and
-      ``_partial_of`` (request id -> [request, index of the KV block its unaligned hit ends
-      inside, that block's key once the request's hashes reach it or None], kept until the
+      ``_partial_of`` (request id -> [request, index of the KV block its first computed
+      position falls inside when that is mid-block, that block's key once the request's
+      hashes reach it or None], kept until the
       request finishes or is preempted, so that pruning never drops the key before the block
       is cached).
     """
@@ -180,9 +183,10 @@ class PDSchedulerConnector:
     def cap_external_hit(self, request: Any, num_local: int, num_external: int) -> int:
         """External KV tokens the scheduler may load for ``request`` after ``num_local``
         local-hit tokens (ints). The wrapped connector's answer, except for a decode-leg
-        request whose hit ends short of its last token: the hit is let through, the loaded
-        whole blocks not already holding rows are recorded as rowless, and so is the block
-        an unaligned hit ends inside, now or once the request's hashes reach it."""
+        request: its hit is let through (up to the whole request, whose last token vLLM
+        recomputes after the load), the loaded whole blocks not already holding rows are
+        recorded as rowless, and so is the block the request's first computed position
+        falls inside when that is mid-block, now or once the request's hashes reach it."""
         if self._partial_of:
             self._record_partial_keys()
         with self._rowless_hidden(True):
@@ -192,9 +196,14 @@ class PDSchedulerConnector:
             allowed == num_external
             or num_external <= 0
             or not self._is_decode_leg(request)
-            or num_hit > request.num_tokens - 1
+            or num_hit > request.num_tokens
         ):
             return allowed
+        # A hit covering the whole request is an asynchronous load (vLLM 0.33's schedule()
+        # cannot run a synchronous one: no token would be left to compute); once it lands,
+        # _update_waiting_for_remote_kv rewinds num_computed_tokens to num_tokens - 1, so
+        # the decoder computes the last token itself and its first capture starts there.
+        first = min(num_hit, request.num_tokens - 1)
         begin, end = num_local // self._block_size, num_hit // self._block_size
         keys = tuple(
             last_key
@@ -203,8 +212,8 @@ class PDSchedulerConnector:
         )
         self._rowless.update(keys)
         self._rowless_of[request.request_id] = keys
-        if num_hit % self._block_size:
-            self._partial_of[request.request_id] = [request, end, None]
+        if first % self._block_size:
+            self._partial_of[request.request_id] = [request, first // self._block_size, None]
             self._record_partial_keys()
         return num_external
 
@@ -230,10 +239,10 @@ class PDSchedulerConnector:
             yield block, keys[-1]
 
     def _record_partial_keys(self) -> None:
-        """Record as rowless the key of each block an unaligned decode-leg hit ends inside,
-        once its request's hashes reach it (the scheduler caches a block, so other requests
-        can hit it, only after its hash is known; every entry point that may count or retain
-        a block runs this first)."""
+        """Record as rowless the key of each block a decode-leg request's first computed
+        position falls inside (mid-block), once its request's hashes reach it (the scheduler
+        caches a block, so other requests can hit it, only after its hash is known; every
+        entry point that may count or retain a block runs this first)."""
         for entry in self._partial_of.values():
             request, index, key = entry
             if key is not None:

@@ -210,24 +210,91 @@ def test_a_decode_leg_request_after_a_local_hit_emits_from_local_plus_external()
     assert answers == [((32, 0), {"d": 0}), ((32, 32), {"d": HIT})]
 
 
+def land_async_load(kv, request, num_hit):
+    """vLLM 0.33.0's ``_update_waiting_for_remote_kv`` once an asynchronous load of
+    ``request`` up to token ``num_hit`` lands: its full blocks are cached, and a load that
+    covered every token is rewound to leave the last one to compute."""
+    request.num_computed_tokens = num_hit
+    cache_blocks(kv, request, num_hit // B)
+    if request.num_computed_tokens == request.num_tokens:
+        request.num_computed_tokens -= 1
+
+
 @pytest.mark.parametrize(
-    "num_external, num_tokens_past_prompt",
-    [(70, 0), (64, -6)],
-    ids=["whole-prompt", "to-the-last-token"],
+    "num_tokens, warm_blocks, partial, follow_hit",
+    [(70, 4, 4, 64), (64, 3, 3, 48), (65, 4, None, 80)],
+    ids=["last-token-mid-block", "last-token-ends-a-block", "last-token-starts-a-block"],
 )
-def test_a_hit_the_worker_cannot_start_after_is_capped_as_vllm_does(
-    num_external, num_tokens_past_prompt
+def test_a_whole_prompt_load_is_let_through_and_its_last_tokens_block_is_rowless(
+    num_tokens, warm_blocks, partial, follow_hit
 ):
-    """The worker's first capture must start before the last token: a decode-leg hit that
-    reaches it keeps vLLM's cap (nothing loaded, the prompt recomputed, rows held)."""
+    """NIXL without prefill backoff: the decoder loads the whole prompt asynchronously (past
+    a local hit on blocks a plain request computed) and vLLM recomputes its last token. Rows
+    start there; the block holding it (cached when the load lands if the prompt ends on a
+    block boundary, else hashed once the output completes it) lacks its earlier rows: a plain
+    request stops before it, and it is not retained, while the next block, computed whole,
+    is."""
     kv = kv_cache()
-    _, wrapped = connectors(kv)
-    tokens = PROMPT[: len(PROMPT) + num_tokens_past_prompt]
+    plain, wrapped = connectors(kv)
+    warm = FakeRequest("warm", PROMPT[: warm_blocks * B])
+    schedule(wrapped, (warm, warm_blocks * B))
+    cache_blocks(kv, warm, warm_blocks)
+    warm.finished = True
+    wrapped.request_finished(warm)
+    schedule(wrapped)
+    tokens = PROMPT[:num_tokens]
+    local = warm_blocks * B
+    assert admit(plain, kv, FakeRequest("v", tokens, DECODE), num_tokens) == (local, 0)
     request = FakeRequest("d", tokens, DECODE)
-    assert wrapped.cap_external_hit(request, 0, num_external) == 0
-    assert wrapped._rowless == set()
-    request.num_computed_tokens = 0
-    assert schedule(wrapped, (request, len(tokens))).requests == {"d": 0}
+    assert admit(wrapped, kv, request, num_tokens) == (local, num_tokens - local)
+    wrapped.request_loading(request, num_tokens)
+    wrapped._prune_rowless()  # the load is in flight: nothing of it is cached yet
+    land_async_load(kv, request, num_tokens)
+    assert request.num_computed_tokens == num_tokens - 1
+    assert schedule(wrapped, (request, 1)).requests == {"d": num_tokens - 1}
+    request.append(*range(80 - num_tokens))  # block 4 (tokens 64..79) is complete
+    wrapped._prune_rowless()  # block 4 is hashed, not cached yet
+    schedule(wrapped, (request, 80 - num_tokens))
+    cache_blocks(kv, request, 5)
+    rowless = set() if partial is None else {request.block_hashes[partial]}
+    following = FakeRequest("p", tokens + list(range(80 - num_tokens)) + [5])
+    assert wrapped.max_cache_hit(following) == follow_hit
+    assert wrapped._rowless == rowless
+    request.finished = True
+    wrapped.request_finished(request)
+    kept = [h for h in request.block_hashes[warm_blocks:5] if h not in rowless]
+    assert list(schedule(wrapped).retained_block_hashes or []) == kept
+    assert wrapped._rowless == rowless
+    assert wrapped.max_cache_hit(following) == follow_hit
+    # Another decode-leg request reuses the KV of all five blocks (it reads no row of them).
+    assert wrapped.max_cache_hit(FakeRequest("d2", following.prompt_token_ids, DECODE)) == 80
+
+
+def test_a_whole_prompt_load_from_nothing_emits_only_the_last_tokens_row():
+    """No local hit: every prompt block is loaded, the last one (the prompt ends on a block
+    boundary) cached as the load lands and kept rowless through pruning; the decoder's rows
+    start at the last prompt token, vLLM's connector would have recomputed the prompt."""
+    kv = kv_cache()
+    plain, wrapped = connectors(kv)
+    tokens = PROMPT[:64]
+    assert admit(plain, kv, FakeRequest("v", tokens, DECODE), 64) == (0, 0)
+    request = FakeRequest("d", tokens, DECODE, prompt_start=0)
+    assert admit(wrapped, kv, request, 64) == (0, 64)
+    loaded = set(request.block_hashes[:4])
+    assert wrapped._rowless == loaded
+    wrapped._prune_rowless()
+    land_async_load(kv, request, 64)
+    assert schedule(wrapped, (request, 1)).requests == {"d": 63}
+    wrapped._prune_rowless()
+    assert wrapped._rowless == loaded
+    assert wrapped.max_cache_hit(FakeRequest("p", tokens + [1])) == 0
+    assert wrapped.max_cache_hit(FakeRequest("d2", tokens + [1], DECODE)) == 64
+    request.append(7)
+    assert schedule(wrapped, (request, 1)).requests == {"d": 64}
+    request.finished = True
+    wrapped.request_finished(request)
+    assert schedule(wrapped).retained_block_hashes is None
+    assert wrapped._rowless == loaded
 
 
 @pytest.mark.parametrize("backoff", [1, 5, 13])
