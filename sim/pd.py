@@ -7,10 +7,13 @@ prompts, aborts, KV pressure, drafts) on an engine with a P/D KV connector and n
 tier (for half of the seeds with barely room for the longest request, so that requests
 preempt each other), where about half of the requests are decode-leg ones: the prefiller
 computed their prompt less NIXL's prefill backoff (0 to 5 trailing tokens, so hits end on
-and off block boundaries, or at the prompt's end, which stays capped), loaded synchronously
-or over 1 to 4 steps, asked from row 0, from the prefiller's last row or from the trace's
+and off block boundaries; 0, NIXL's default, for 2 in 7), loaded synchronously or
+over 1 to 4 steps, asked from row 0, from the prefiller's last row or from the trace's
 prompt start; some are followed by their next turn as a plain request (prompt, output and
 new tokens), which hits the blocks the decode-leg request loaded and the one it completed.
+A whole prompt is loaded as vLLM 0.33.0 does it: asynchronously (NIXL) up to its last token,
+which the scheduler rewinds and recomputes once the load lands; a synchronous connector
+(MoRIIO's READ mode) reports the prompt less its last token (``sim.scheduling``).
 
 ``check_pd_case(seed)`` runs it and returns None or what failed first:
 
@@ -18,7 +21,8 @@ new tokens), which hits the blocks the decode-leg request loaded and the one it 
   ``BlockObjectStoreError``, no protocol error) and every finished request's rows are the
   routing oracle's from its emit start (``SimResult.check_ground_truth``);
 * that emit start is the one asked (``min(prompt_start, prompt)``), raised for a decode-leg
-  request to its first computed position (local hit plus loaded KV at its admission);
+  request to its first computed position (local hit plus loaded KV at its admission, less
+  the last token a whole-prompt load leaves to compute);
 * against the same trace under vLLM's own connector and worker (which caps every decode-leg
   hit, so it recomputes their prompts), where that run is clean: equal final tokens, a plain
   request's rows byte-identical, a decode-leg request's rows the tail of vLLM's.
@@ -60,7 +64,7 @@ def pd_trace(seed: int, **overrides: object) -> Trace:
     requests = []
     for spec in trace.requests:
         if r.random() < 0.5:
-            backoff = min(r.choice([0, 1, 1, 2, 3, 5]), len(spec.prompt) - 1)
+            backoff = min(r.choice([0, 0, 1, 1, 2, 3, 5]), len(spec.prompt) - 1)
             computed = len(spec.prompt) - backoff
             start = r.choice([0, 0, computed, spec.prompt_start])
             spec = dataclasses.replace(

@@ -69,14 +69,19 @@ class SimRequest:
     def is_finished(self) -> bool:
         return self.status in _FINISHED
 
-    def remote_prefill_hit(self, num_local: int) -> int:
+    def remote_prefill_hit(self, num_local: int, *, sync: bool) -> int:
         """Tokens a P/D KV connector loads after a local hit of ``num_local``: the rest of
-        what the prefiller computed, until the connector has scheduled the transfer (NIXL's
-        ``get_num_new_matched_tokens``; a resumed request loads nothing)."""
+        what the prefiller computed, until the connector has scheduled the transfer (a
+        resumed request loads nothing). Asynchronous (NIXL's ``get_num_new_matched_tokens``):
+        up to the whole prompt. Synchronous (MoRIIO's READ mode): never the prompt's last
+        token, which the decoder recomputes."""
         params = self.kv_transfer_params
         if not params or not params.get("do_remote_prefill"):
             return 0
-        return max(self.spec.remote_prefill - num_local, 0)
+        end = self.spec.remote_prefill
+        if sync:
+            end = min(end, self.num_prompt_tokens - 1)
+        return max(end - num_local, 0)
 
     def remote_prefill_scheduled(self) -> None:
         """NIXL's ``update_state_after_alloc``: the transfer is scheduled (or not needed)."""
@@ -115,6 +120,10 @@ class SimStats:
     external_hits_capped: int = 0
     remote_hits: int = 0
     remote_hits_unaligned: int = 0
+    # Decode-leg hits on a prompt the prefiller computed whole: loaded asynchronously up to
+    # the last token (then recomputed), or reported one token short by a synchronous one.
+    whole_prompt_loads: int = 0
+    whole_prompt_hits_sync: int = 0
     decode_leg_preemptions: int = 0
     async_loads: int = 0
     hash_only_updates: int = 0

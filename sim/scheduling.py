@@ -167,6 +167,12 @@ class SimScheduler:
                     index += 1
                     continue
                 kv.cache_blocks(request, request.num_computed_tokens)
+                if request.num_computed_tokens == request.num_tokens:
+                    # As vLLM 0.33.0's _update_waiting_for_remote_kv: a load that covered
+                    # every token (cached above, last block included) leaves the last one
+                    # to compute, so the next token can be sampled.
+                    request.num_computed_tokens -= 1
+                    self.stats.whole_prompt_loads += 1
                 request.status = WAITING
             if request.num_stale_output_tokens and not request.drop_stale_output:
                 # As vLLM 0.33.0: a preempted request resumes only once the output it still
@@ -179,7 +185,7 @@ class SimScheduler:
                 max_hit = self.aux.max_cache_hit(request) if cfg.cap_hits else None
                 hit_blocks, local = kv.get_computed_blocks(request, max_hit)
                 if kv.offload is not None or cfg.remote_prefill:
-                    remote = request.remote_prefill_hit(local)
+                    remote = request.remote_prefill_hit(local, sync=not cfg.async_kv_load)
                     found = max(kv.external_hit(request, local), remote)
                     external = found
                     if cfg.cap_hits:
@@ -189,6 +195,10 @@ class SimScheduler:
                     if remote and external:
                         self.stats.remote_hits += 1
                         self.stats.remote_hits_unaligned += bool(external % kv.block_size)
+                        self.stats.whole_prompt_hits_sync += (
+                            not cfg.async_kv_load
+                            and request.spec.remote_prefill == request.num_prompt_tokens
+                        )
                     if cfg.async_kv_load and external > 0:
                         # Reserve the rest of the request too: loads that each hold part
                         # of their blocks could otherwise wait on each other forever.
@@ -215,6 +225,8 @@ class SimScheduler:
                         continue
             computed = request.num_computed_tokens + local + external
             n = request.num_tokens - computed
+            # vLLM 0.33.0's schedule() asserts this too: a synchronous hit must leave a token.
+            assert n > 0, f"{request.request_id}: a synchronous hit covers every token"
             if cfg.long_prefill_token_threshold:
                 n = min(n, cfg.long_prefill_token_threshold)
             n = min(n, budget)
