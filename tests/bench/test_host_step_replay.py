@@ -124,6 +124,23 @@ def _slow(function, slow_ns):
     return slow
 
 
+def _slow_kernel_replay_inputs(monkeypatch, slow_ns):
+    """The spec_decode recording, its forward steps, and a list that counts the launches of
+    the kernel's CPU emulation, made to cost ``slow_ns`` of CPU per launch."""
+    recording = record_trace(make_trace("spec_decode", seed=0))
+    module, attr = kernel_binding()
+    launched = []
+    slow = _slow(getattr(module, attr), slow_ns)
+
+    def slow_kernel(*args, **kwargs):
+        launched.append(1)
+        return slow(*args, **kwargs)
+
+    monkeypatch.setattr(module, attr, slow_kernel)
+    forward = [e[1] for e in recording.events if e[0] == PREPARE]
+    return recording, forward, launched
+
+
 def test_kernel_stand_in_binds_the_kernel_the_worker_launches():
     """The stand-in wraps the CPU emulation of the kernel r3capture's worker launches
     (``GatherAllocLaunch``'s torch reference), not that of another kernel."""
@@ -137,18 +154,10 @@ def test_kernel_stand_in_binds_the_kernel_the_worker_launches():
 def test_kernel_stand_in_excludes_the_device_work(monkeypatch):
     """A deliberately slow kernel (50 ms of CPU per launch) shows up in r3capture's
     prepare_output without the stand-in and not with it; one launch per forward step."""
-    recording = record_trace(make_trace("spec_decode", seed=0))
     slow_ns = 50_000_000
+    recording, forward, launched = _slow_kernel_replay_inputs(monkeypatch, slow_ns)
     module, attr = kernel_binding()
-    launched = []
-    slow = _slow(getattr(module, attr), slow_ns)
-
-    def slow_kernel(*args, **kwargs):
-        launched.append(1)
-        return slow(*args, **kwargs)
-
-    monkeypatch.setattr(module, attr, slow_kernel)
-    forward = [e[1] for e in recording.events if e[0] == PREPARE]
+    slow_kernel = getattr(module, attr)
     prepare = CALLS.index("prepare_output")
 
     plain = replay(recording, "r3capture")
@@ -173,18 +182,8 @@ def test_deferred_kernel_runs_outside_every_call_and_keeps_the_outputs(monkeypat
     """``KernelStandIn(defer=True)``: a slow kernel (50 ms of CPU per launch) runs where the
     host would wait for the device, in no timed call, every launch exactly once, and the
     outputs stay the simulator's (the rows are read before the next step replaces them)."""
-    recording = record_trace(make_trace("spec_decode", seed=0))
     slow_ns = 50_000_000
-    module, attr = kernel_binding()
-    launched = []
-    slow = _slow(getattr(module, attr), slow_ns)
-
-    def slow_kernel(*args, **kwargs):
-        launched.append(1)
-        return slow(*args, **kwargs)
-
-    monkeypatch.setattr(module, attr, slow_kernel)
-    forward = [e[1] for e in recording.events if e[0] == PREPARE]
+    recording, forward, launched = _slow_kernel_replay_inputs(monkeypatch, slow_ns)
     with KernelStandIn(defer=True) as exclusion:
         deferred = replay(recording, "r3capture", exclusion=exclusion)
     assert deferred.digests == recording.digests
