@@ -125,8 +125,7 @@ class PDSchedulerConnector:
         first computed position. Called before the scheduler advances
         ``num_computed_tokens``, so at a request's first schedule that is local hit plus
         loaded KV."""
-        if self._partial_of:
-            self._record_partial_keys()
+        self._record_partial_keys()
         metadata = self._inner.build_connector_meta(scheduler_output, requests)
         emit_starts = metadata.requests
         for request_id, emit_start in emit_starts.items():
@@ -152,8 +151,7 @@ class PDSchedulerConnector:
         request_id = request.request_id
         first = self._first_computed.pop(request_id, None)
         if self._tracks_rowless:
-            if self._partial_of:
-                self._record_partial_keys()
+            self._record_partial_keys()
             self._drop_rowless_rows_of(request, first)
             with self._rowless_hidden(True):
                 self._inner.request_finished(request)
@@ -179,8 +177,7 @@ class PDSchedulerConnector:
         """Tokens of ``request``'s prefix whose rows the wrapped connector can serve; a
         decode-leg request also counts rowless blocks (it never reads rows below its first
         computed position)."""
-        if self._partial_of:
-            self._record_partial_keys()
+        self._record_partial_keys()
         with self._rowless_hidden(not self._is_decode_leg(request)):
             return self._inner.max_cache_hit(request)
 
@@ -191,8 +188,7 @@ class PDSchedulerConnector:
         recomputes after the load), the loaded whole blocks not already holding rows are
         recorded as rowless, and so is the block the request's first computed position
         falls inside when that is mid-block, now or once the request's hashes reach it."""
-        if self._partial_of:
-            self._record_partial_keys()
+        self._record_partial_keys()
         with self._rowless_hidden(True):
             allowed = self._inner.cap_external_hit(request, num_local, num_external)
         num_hit = num_local + num_external

@@ -90,8 +90,7 @@ class PDSchedulerConnector032(PDSchedulerConnector):
         """How much of ``request``'s local prefix hit of ``num_local`` tokens (an int) it may
         take: all of it for a decode-leg request, else up to its first rowless KV block (a
         token position, a multiple of the block size when below ``num_local``)."""
-        if self._partial_of:
-            self._record_partial_keys()
+        self._record_partial_keys()
         if not self._rowless or self._is_decode_leg(request):
             return num_local
         end = -(-num_local // self._block_size)
@@ -126,8 +125,7 @@ class PDSchedulerConnector032(PDSchedulerConnector):
                 return num_external, load_async  # None: asked again in a later step
             if not self._is_decode_leg(request):
                 return 0, False
-            if self._partial_of:
-                self._record_partial_keys()
+            self._record_partial_keys()
             if num_local + num_external <= request.num_tokens:
                 self._record_load(request, num_local, num_external)
             return num_external, load_async
