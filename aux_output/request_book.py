@@ -34,7 +34,12 @@ from r3capture.aux_output.sizing import (
     reserve_slots,
     ring_widths,
 )
-from r3capture.aux_output.step_commit import StepLayout, check_not_overwritten, commit_step
+from r3capture.aux_output.step_commit import (
+    PER_REQUEST_MAX,
+    StepLayout,
+    check_not_overwritten,
+    commit_step,
+)
 from r3capture.aux_output.step_launcher import StepLauncher
 from r3capture.aux_output.steps_in_flight import StepsInFlight
 from r3capture.aux_output.types import AuxOutputConnectorMetadata, AuxRequestOutput
@@ -259,7 +264,10 @@ class RequestBook:
         end, or at its first captured block."""
         launched.accounted = True
         taken = step_info[:, 3]
-        slots = self.launcher.queue.commit(taken)
+        if len(taken) <= PER_REQUEST_MAX:
+            self._take_new_slots_per_request(layout, taken.tolist(), step_info)
+            return
+        slots = self.launcher.queue.commit(int(taken.sum()))
         if not slots.size:
             return
         grew = taken.nonzero()[0]
@@ -272,6 +280,26 @@ class RequestBook:
             partial = ((ends == 0) & (starts % self._block_size != 0)).nonzero()[0]
             if partial.size:
                 self.table.mark_partial_first(rows[partial], starts[partial])
+
+    # Second form, for steps of up to PER_REQUEST_MAX requests: a loop over those that took
+    # slots cuts the output thread's total by a sixth at 1-8 decoding requests (host_ab).
+    def _take_new_slots_per_request(
+        self, layout: StepLayout, taken: list[int], step_info: np.ndarray
+    ) -> None:
+        slots = self.launcher.queue.commit(sum(taken))
+        if not slots.size:
+            return
+        table, block_size, offset = self.table, self._block_size, 0
+        for i, count in enumerate(taken):
+            if not count:
+                continue
+            row, start = layout.rows.item(i), step_info.item(i, 0)
+            fresh = table.end.item(row) == 0
+            table.extend_row(row, start // block_size if fresh else table.end.item(row),
+                             slots[offset : offset + count])  # fmt: skip
+            offset += count
+            if fresh and self._partial_first_ok and start % block_size:
+                table.mark_partial_first(np.array([row]), np.array([start]))
 
     def _drop_partial_blocks(self, rows: np.ndarray) -> None:
         """P/D decoders: a partial first block whose rows were all returned leaves the ring

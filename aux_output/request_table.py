@@ -240,6 +240,22 @@ class RequestTable:
         self.base[rows] = bases
         self.end[rows] = lasts
 
+    def extend_row(self, row: int, first: int, slots: np.ndarray) -> None:
+        """``extend`` for one row (a Python int): blocks ``first ..`` get ``slots`` (int64)."""
+        end = self.end.item(row)
+        base = first if end == 0 else self.base.item(row)
+        last = first + len(slots)
+        width = self.ring_width
+        if last - base > width:
+            raise _ring_overflow(last - base, width)
+        ring = self.ring[row]
+        at = first % width
+        head = min(len(slots), width - at)
+        ring[at : at + head] = slots[:head]
+        ring[: len(slots) - head] = slots[head:]
+        self.base[row] = base
+        self.end[row] = last
+
     def mark_partial_first(self, rows: np.ndarray, first_positions: np.ndarray) -> None:
         """Rows (int64, distinct, each with its first block just taken by ``extend``) whose
         first capture started at ``first_positions`` (int64), inside that block: its earlier
@@ -276,6 +292,19 @@ class RequestTable:
         bases = self.base[rows]
         slots = self._window_slots(rows, bases, counts)
         self.base[rows] = bases + counts
+        return slots
+
+    def take_leading_row(self, row: int, count: int) -> np.ndarray:
+        """``take_leading`` for one row (Python ints)."""
+        base = self.base.item(row)
+        width = self.ring_width
+        at = base % width
+        ring = self.ring[row]
+        if at + count <= width:
+            slots = ring[at : at + count].astype(np.int64)
+        else:
+            slots = np.concatenate((ring[at:], ring[: at + count - width])).astype(np.int64)
+        self.base[row] = base + count
         return slots
 
     def unbound_slots(self, rows: np.ndarray) -> np.ndarray:

@@ -66,11 +66,10 @@ class SlotQueue:
         self._in_flight.append(bound)
         return self.tail
 
-    def commit(self, taken: np.ndarray) -> np.ndarray:
-        """The oldest launch in flight took ``taken[i]`` entries for its request ``i`` (int
-        array ``[R]``, in batch order); returns those slots (int64), request by request."""
+    def commit(self, total: int) -> np.ndarray:
+        """The oldest launch in flight took ``total`` entries (the sum of its requests'
+        counts); returns those slots (int64), in the order its requests took them."""
         self._in_flight.pop(0)
-        total = int(taken.sum())
         if not total:
             return _NO_SLOTS  # most decode steps open no block
         first = self.committed % len(self._queue)

@@ -8,13 +8,14 @@ routing oracle, and r3capture's worker is byte-identical to vLLM's.
 
 from __future__ import annotations
 
+import contextlib
 from unittest import mock
 
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from r3capture.aux_output import row_reader, sizing, step_commit
+from r3capture.aux_output import publisher, request_book, row_reader, sizing, step_commit
 from sim import (
     make_trace,
     make_vllm_worker,
@@ -51,21 +52,20 @@ def test_random_trace_schedulers_agree_and_match_oracle(seed, vllm_first):
 @SETTINGS
 @given(seed=SEEDS, device_rejections=st.booleans(), vector_operations=st.booleans())
 def test_random_trace_workers_byte_identical(seed, device_rejections, vector_operations):
-    # These traces' steps are small: the per-request loops (the step commit, the test for
-    # new slots, the emitted rows) take most of them unless the vector operations are forced.
+    # These traces' steps are small: the per-request loops (the step commit, the slots taken,
+    # publication, the emitted rows) take most of them unless the vector operations are forced.
     trace = random_trace(seed)
     ref = run_trace(trace, make_vllm_worker, catch_errors=True, check=False)
     factory = r3capture_worker_factory(kernel_impl="reference", pass_num_rejected=device_rejections)
-    with (
-        mock.patch.object(
-            step_commit, "PER_REQUEST_MAX", 0 if vector_operations else step_commit.PER_REQUEST_MAX
-        ),
-        mock.patch.object(
-            row_reader,
-            "EMIT_PER_REQUEST_MAX",
-            0 if vector_operations else row_reader.EMIT_PER_REQUEST_MAX,
-        ),
-    ):
+    limits = (
+        (step_commit, "PER_REQUEST_MAX"),
+        (request_book, "PER_REQUEST_MAX"),
+        (publisher, "PER_ROW_MAX"),
+        (row_reader, "EMIT_PER_REQUEST_MAX"),
+    )
+    with contextlib.ExitStack() as stack:
+        for module, name in limits if vector_operations else ():
+            stack.enter_context(mock.patch.object(module, name, 0))
         got = run_trace(trace, factory, catch_errors=True, check=False)
     assert diff_results(ref, got) is None, diff_results(ref, got)
     assert ref.error is None, ref.error

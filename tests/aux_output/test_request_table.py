@@ -104,12 +104,35 @@ def test_ring_overflow_is_refused_before_any_change():
     assert table.unbound_slots(np.array([a])).tolist() == [3, 4, 5]
 
 
+def table_take_leading(table, rows, counts):
+    return table.take_leading(rows, counts)
+
+
+def extend_per_row(table, rows, firsts, counts, slots):
+    """The same take through ``extend_row``, one row after the other."""
+    slots = np.asarray(slots, np.int64)
+    offset = 0
+    for row, first, count in zip(np.asarray(rows).tolist(), firsts, counts):
+        table.extend_row(row, int(first), slots[offset : offset + count])
+        offset += count
+
+
+def take_leading_per_row(table, rows, counts):
+    parts = [table.take_leading_row(r, c) for r, c in zip(rows.tolist(), counts.tolist())]
+    return np.concatenate([np.empty(0, np.int64), *parts])
+
+
+@pytest.mark.parametrize("per_row", [False, True], ids=["vector", "per_row"])
 @pytest.mark.parametrize("seed", range(150))
-def test_extend_matches_a_block_by_block_model(seed):
+def test_extend_matches_a_block_by_block_model(seed, per_row):
     """On random tables (rows added, removed and reused, blocks handed to the store, takes
     that overflow, rings that wrap), ``extend`` keeps every row's unbound slots, base and
     end equal to a dict of block -> slot per request, and refuses exactly the takes that
-    would hold more than the ring, leaving everything unchanged."""
+    would hold more than the ring, leaving everything unchanged. ``extend_row`` and
+    ``take_leading_row`` (the small steps' forms) keep the same model; a row that would
+    overflow is refused before it changes (the rows before it in the take have theirs)."""
+    extend_rows = extend_per_row if per_row else extend
+    take = take_leading_per_row if per_row else table_take_leading
     rng = np.random.default_rng(seed)
     width = int(rng.integers(1, 8))
     table = RequestTable(ring_width=width, capacity=2)
@@ -133,7 +156,7 @@ def test_extend_matches_a_block_by_block_model(seed):
         # Publication hands some leading blocks over.
         held = np.array([model[r]["end"] - model[r]["base"] for r in chosen.tolist()])
         handed = np.minimum(held, rng.integers(0, 3, len(chosen)))
-        leading = table.take_leading(chosen, handed).tolist()
+        leading = take(table, chosen, handed).tolist()
         expected = []
         for row, n in zip(chosen.tolist(), handed.tolist()):
             entry = model[row]
@@ -149,17 +172,22 @@ def test_extend_matches_a_block_by_block_model(seed):
             for r, first, count in zip(chosen.tolist(), firsts, counts)
         ]
         before = deepcopy((table.ring, table.base, table.end))
-        if max(needed) > width:
-            first_over = next(n for n in needed if n > width)
-            with pytest.raises(OverflowError, match=f"needs {first_over} unbound"):
-                extend(table, chosen, firsts, counts, slots)
+        over = next((i for i, n in enumerate(needed) if n > width), None)
+        if over is not None and (not per_row or over == 0):
+            with pytest.raises(OverflowError, match=f"needs {needed[over]} unbound"):
+                extend_rows(table, chosen, firsts, counts, slots)
             after = (table.ring, table.base, table.end)
             assert all(np.array_equal(x, y) for x, y in zip(before, after))
         else:
-            extend(table, chosen, firsts, counts, slots)
+            applied = len(chosen) if over is None else over
+            if over is None:
+                extend_rows(table, chosen, firsts, counts, slots)
+            else:
+                with pytest.raises(OverflowError, match=f"needs {needed[over]} unbound"):
+                    extend_rows(table, chosen, firsts, counts, slots)
             next_slot += len(slots)
             taken = iter(slots)
-            for row, first, count in zip(chosen.tolist(), firsts, counts):
+            for row, first, count in list(zip(chosen.tolist(), firsts, counts))[:applied]:
                 entry = model[row]
                 if not entry["end"]:
                     entry["base"] = first

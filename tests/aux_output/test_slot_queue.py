@@ -28,7 +28,7 @@ def test_refill_keeps_the_stock_ahead_of_the_committed_head_and_commits_take_in_
     assert len(set(put)) == 4 and store.num_unbound == 4
     assert queue.reserve(bound=3) == 4  # room for the launch: no refill
     # The launch took 1 slot for its first request and 2 for its third, in batch order.
-    assert queue.commit(np.array([1, 0, 2])).tolist() == put[:3]
+    assert queue.commit(3).tolist() == put[:3]
     assert (queue.committed, queue.num_queued) == (3, 1)
     queue.refill()
     assert (queue.tail, queue.num_queued) == (7, 4)
@@ -41,7 +41,7 @@ def test_entries_wrap_around_the_ring():
         queue.refill()
         queue.reserve(bound=3)
         first = queue.committed
-        slots = queue.commit(np.array([3]))
+        slots = queue.commit(3)
         taken.append(slots.tolist())
         # The slots a commit reads are the ones written at those positions, modulo 5.
         assert slots.tolist() == [entries[(first + i) % 5] for i in range(3)]
@@ -55,8 +55,8 @@ def test_a_launch_that_could_take_more_than_the_queue_holds_refills_first():
     assert queue.reserve(bound=2) == 2  # exactly covered
     # A second launch in flight could take 3 more: the queue grows to cover both.
     assert queue.reserve(bound=3) == 5
-    assert queue.commit(np.array([0])).size == 0  # the first took nothing
-    assert len(queue.commit(np.array([2, 1]))) == 3 and queue.committed == 3
+    assert queue.commit(0).size == 0  # the first took nothing
+    assert len(queue.commit(3)) == 3 and queue.committed == 3
 
 
 def test_a_refill_past_the_queue_size_is_refused_before_any_change():
