@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from r3capture.aux_output import envs
+from r3capture.aux_output import envs, step_commit
 from r3capture.aux_output.call_checks import checked_batch_arrays
 from r3capture.aux_output.device_side import DeviceSide, LaunchedStep
 from r3capture.aux_output.errors import require
@@ -34,12 +34,7 @@ from r3capture.aux_output.sizing import (
     reserve_slots,
     ring_widths,
 )
-from r3capture.aux_output.step_commit import (
-    PER_REQUEST_MAX,
-    StepLayout,
-    check_not_overwritten,
-    commit_step,
-)
+from r3capture.aux_output.step_commit import StepLayout, check_not_overwritten, commit_step
 from r3capture.aux_output.step_launcher import StepLauncher
 from r3capture.aux_output.steps_in_flight import StepsInFlight
 from r3capture.aux_output.types import AuxOutputConnectorMetadata, AuxRequestOutput
@@ -264,7 +259,7 @@ class RequestBook:
         end, or at its first captured block."""
         launched.accounted = True
         taken = step_info[:, 3]
-        if len(taken) <= PER_REQUEST_MAX:
+        if len(taken) <= step_commit.PER_REQUEST_MAX:  # the small steps the commit loops over
             self._take_new_slots_per_request(layout, taken.tolist(), step_info)
             return
         slots = self.launcher.queue.commit(int(taken.sum()))
@@ -281,8 +276,9 @@ class RequestBook:
             if partial.size:
                 self.table.mark_partial_first(rows[partial], starts[partial])
 
-    # Second form, for steps of up to PER_REQUEST_MAX requests: a loop over those that took
-    # slots cuts the output thread's total by a sixth at 1-8 decoding requests (host_ab).
+    # Second form, for the small steps (step_commit.PER_REQUEST_MAX): a loop over the requests
+    # that took slots cuts the output thread's total by a sixth at 1-8 decoding requests
+    # (host_ab).
     def _take_new_slots_per_request(
         self, layout: StepLayout, taken: list[int], step_info: np.ndarray
     ) -> None:

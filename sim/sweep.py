@@ -47,6 +47,7 @@ _KNOB_HOMES = {
     "REATTACH_TOKENS": "r3capture.aux_output.sizing",
     "PER_REQUEST_MAX": "r3capture.aux_output.step_commit",
     "EMIT_PER_REQUEST_MAX": "r3capture.aux_output.row_reader",
+    "PER_ROW_MAX": "r3capture.aux_output.publisher",
 }
 
 
@@ -98,12 +99,17 @@ def draw_case(seed: int) -> SweepCase:
         "PER_REQUEST_MAX": r.choice([0, 1, 32, 1000]),
         "EMIT_PER_REQUEST_MAX": r.choice([0, 1, 8, 1000]),
     }
+    destination = r.choice(destinations)
+    pass_num_rejected = r.random() < 0.5
+    interleave_seed = r.randrange(2**31) if r.random() < 0.5 else None
+    # Drawn last, so every earlier draw of a seed is what it was before this knob.
+    knobs["PER_ROW_MAX"] = r.choice([0, 1, 8, 1000])
     return SweepCase(
         seed=seed,
         shape=shape,
-        destination=r.choice(destinations),
-        pass_num_rejected=r.random() < 0.5,
-        interleave_seed=r.randrange(2**31) if r.random() < 0.5 else None,
+        destination=destination,
+        pass_num_rejected=pass_num_rejected,
+        interleave_seed=interleave_seed,
         knobs=knobs,
     )
 

@@ -15,7 +15,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from r3capture.aux_output import publisher, request_book, row_reader, sizing, step_commit
+from r3capture.aux_output import publisher, row_reader, sizing, step_commit
 from sim import (
     make_trace,
     make_vllm_worker,
@@ -59,7 +59,6 @@ def test_random_trace_workers_byte_identical(seed, device_rejections, vector_ope
     factory = r3capture_worker_factory(kernel_impl="reference", pass_num_rejected=device_rejections)
     limits = (
         (step_commit, "PER_REQUEST_MAX"),
-        (request_book, "PER_REQUEST_MAX"),
         (publisher, "PER_ROW_MAX"),
         (row_reader, "EMIT_PER_REQUEST_MAX"),
     )

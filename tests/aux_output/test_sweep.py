@@ -27,6 +27,7 @@ def test_a_seed_draws_the_same_case_every_time_and_only_cases_the_worker_support
             assert case.destination != "direct"
     # Every alternative is drawn: both sides of each threshold, both destinations.
     assert {case.knobs["PER_REQUEST_MAX"] for case in cases} >= {0, 1000}
+    assert {case.knobs["PER_ROW_MAX"] for case in cases} >= {0, 1000}
     assert {case.knobs["REATTACH_TOKENS"] for case in cases} >= {0, 256}
     assert {case.destination for case in cases} == {"auto", "staging", "direct"}
     assert {case.interleave_seed is None for case in cases} == {True, False}
