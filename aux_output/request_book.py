@@ -290,11 +290,10 @@ class RequestBook:
             if not count:
                 continue
             row, start = layout.rows.item(i), step_info.item(i, 0)
-            fresh = table.end.item(row) == 0
-            table.extend_row(row, start // block_size if fresh else table.end.item(row),
-                             slots[offset : offset + count])  # fmt: skip
+            end = table.end.item(row)
+            table.extend_row(row, end or start // block_size, slots[offset : offset + count])
             offset += count
-            if fresh and self._partial_first_ok and start % block_size:
+            if not end and self._partial_first_ok and start % block_size:
                 table.mark_partial_first(np.array([row]), np.array([start]))
 
     def _drop_partial_blocks(self, rows: np.ndarray) -> None:

@@ -241,7 +241,8 @@ class RequestTable:
         self.end[rows] = lasts
 
     def extend_row(self, row: int, first: int, slots: np.ndarray) -> None:
-        """``extend`` for one row (a Python int): blocks ``first ..`` get ``slots`` (int64)."""
+        """``extend`` for one row (a Python int): blocks ``first ..`` get ``slots`` (int64).
+        Raises ``OverflowError`` before changing the row."""
         end = self.end.item(row)
         base = first if end == 0 else self.base.item(row)
         last = first + len(slots)
