@@ -29,6 +29,7 @@ import numpy as np
 import torch
 
 from r3capture.aux_output.errors import require
+from r3capture.aux_output.sizing import row_nbytes
 from r3capture.kernels import GatherAllocLaunch, can_write_host_directly
 from r3capture.kernels._alloc_checks import AllocShape, check_alloc_step_args
 
@@ -149,8 +150,7 @@ class DeviceSide:
         self._launches: list[GatherAllocLaunch] = []
         # What crossed (or, on a CPU, would cross) from the device to the host, cumulative.
         self.transfer_stats = {"steps": 0, "rows": 0, "bytes": 0}
-        L, K = capture_buffer.shape[1:]
-        self._row_nbytes = L * K * self.dtype.itemsize
+        self._row_nbytes = row_nbytes(tuple(capture_buffer.shape[1:]), self.dtype)
 
     def attach(self, arena_blocks: torch.Tensor) -> None:
         """(Re)build the launches for the store arena ``[slots, B, L, K]``: at start, and

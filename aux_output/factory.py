@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from r3capture.aux_output import compat, pd
-from r3capture.aux_output.sizing import REATTACH_TOKENS, WorkerSizing
+from r3capture.aux_output.sizing import REATTACH_TOKENS, WorkerSizing, row_nbytes
 
 logger = logging.getLogger("vllm.r3capture")
 
@@ -56,7 +56,7 @@ def worker_sizing(
             f"{num_drafts} with max_concurrent_batches={depth}; use vLLM's own backend"
         )
     dtype = np.dtype(dtype)
-    block_nbytes = hash_block_size * int(np.prod(shape_per_token)) * dtype.itemsize
+    block_nbytes = hash_block_size * row_nbytes(shape_per_token, dtype)
     max_bytes = vllm_config.aux_output_config.max_bytes
     if max_bytes is None:
         max_bytes = num_kv_blocks * (scheduler_block_size // hash_block_size) * block_nbytes

@@ -18,10 +18,10 @@ from typing import Any
 
 import numpy as np
 
-from r3capture.aux_output.publisher import Publisher
+from r3capture.aux_output.publisher import Publisher, join_keys
 from r3capture.aux_output.request_table import RequestTable
 from r3capture.aux_output.types import key_rows_of, key_rows_of_requests
-from r3capture.store import NO_KEY_OBJECTS, KeyObjects, join_key_objects, key_objects
+from r3capture.store import KeyObjects, key_objects
 
 
 class StepKeyWork:
@@ -137,8 +137,8 @@ class KeyWorkQueue:
         ]
         self._publisher.publish(
             np.asarray(work.rows, np.int64),
-            _joined(retains),
-            _joined(releases),
+            join_keys(retains),
+            join_keys(releases),
             finished=work.finishing,
         )
 
@@ -146,10 +146,3 @@ class KeyWorkQueue:
 def _has_hashes(packed: Any) -> bool:
     """Whether packed block hashes (or None) hold any hash."""
     return packed is not None and len(packed.data) > 0
-
-
-def _joined(parts: list[KeyObjects]) -> KeyObjects:
-    parts = [p for p in parts if p]
-    if not parts:
-        return NO_KEY_OBJECTS
-    return parts[0] if len(parts) == 1 else join_key_objects(parts)

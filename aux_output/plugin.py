@@ -204,14 +204,9 @@ def _patch_engine_args(module: ModuleType) -> None:
         pd.check_pd(vllm_config, check_backend(vllm_config))
         return vllm_config
 
-    for wrapper, original in (
-        (add_cli_args_with_backend, original_add),
-        (from_cli_args_with_backend, original_from),
-        (create_engine_config_checked, create_engine_config),
-    ):
-        wrapper.__wrapped__ = original
-        wrapper.__doc__ = original.__doc__
-        setattr(wrapper, _WRAPPED, True)
+    _mark_wrapper(add_cli_args_with_backend, original_add)
+    _mark_wrapper(from_cli_args_with_backend, original_from)
+    _mark_wrapper(create_engine_config_checked, create_engine_config)
     EngineArgs.add_cli_args = staticmethod(add_cli_args_with_backend)
     EngineArgs.from_cli_args = classmethod(from_cli_args_with_backend)
     EngineArgs.create_engine_config = create_engine_config_checked
@@ -365,12 +360,9 @@ def _patch_model_runner(module: ModuleType) -> None:
             )
         return output
 
-    for wrapper, original in (
-        (get_aux_output_connector, original_factory),
-        (sample, original_sample),
-        (execute_model, original_execute),
-    ):
-        _mark_wrapper(wrapper, original)
+    _mark_wrapper(get_aux_output_connector, original_factory)
+    _mark_wrapper(sample, original_sample)
+    _mark_wrapper(execute_model, original_execute)
     setattr(module, compat.CONNECTOR_FACTORY_NAME, get_aux_output_connector)
     setattr(runner_cls, compat.SAMPLE_METHOD, sample)
     setattr(runner_cls, compat.EXECUTE_MODEL_METHOD, execute_model)

@@ -61,7 +61,7 @@ class Publisher:
         if finished:
             if finished_rows is None:
                 finished_rows = [table.index[request_id] for request_id in finished]
-            release_keys = _joined((release_keys, table.release_order(finished_rows)))
+            release_keys = join_keys((release_keys, table.release_order(finished_rows)))
         keys, slots = NO_KEY_OBJECTS, _NO_SLOTS
         if 0 < rows.size <= PER_ROW_MAX:
             keys, slots = self._take_ready_per_row(rows.tolist())
@@ -117,8 +117,8 @@ class Publisher:
             self._store.free(slots)
 
 
-def _joined(parts: Iterable[KeyObjects]) -> KeyObjects:
-    """``parts`` concatenated in order, empty ones left out."""
+def join_keys(parts: Iterable[KeyObjects]) -> KeyObjects:
+    """``parts`` concatenated in order, empty ones left out (a single part as it is)."""
     parts = [part for part in parts if len(part)]
     if not parts:
         return NO_KEY_OBJECTS

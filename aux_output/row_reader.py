@@ -22,6 +22,7 @@ import torch
 from r3capture.aux_output.errors import AuxOutputProtocolError
 from r3capture.aux_output.output_pool import OutputPool
 from r3capture.aux_output.request_table import RequestTable
+from r3capture.aux_output.sizing import row_nbytes
 from r3capture.aux_output.step_commit import CommitPlan, StepLayout
 from r3capture.aux_output.types import AuxRequestOutput
 from r3capture.store import BlockStore
@@ -50,7 +51,7 @@ class RowReader:
         self._block_size = block_size
         self._shape = shape_per_token
         self._dtype = np.dtype(dtype)
-        self._row_nbytes = shape_per_token[0] * shape_per_token[1] * self._dtype.itemsize
+        self._row_nbytes = row_nbytes(shape_per_token, dtype)
         self._pool = output_pool
 
     def emit(self, layout: StepLayout, plan: CommitPlan) -> dict[str, AuxRequestOutput]:

@@ -25,6 +25,11 @@ def require_int(name: str, value: object, *, minimum: int = 1) -> int:
     return int(value)
 
 
+def row_nbytes(shape_per_token: tuple[int, int], dtype: np.dtype) -> int:
+    """Bytes of one token's row ``[L, K]`` of ``dtype``."""
+    return shape_per_token[0] * shape_per_token[1] * np.dtype(dtype).itemsize
+
+
 def row_dtype(num_experts: int) -> np.dtype:
     """vLLM's output dtype for routed-expert ids: uint8 up to 256 experts, else uint16."""
     num_experts = require_int("num_experts", num_experts)
@@ -117,7 +122,7 @@ class WorkerSizing:
     @property
     def row_nbytes(self) -> int:
         """Bytes of one token's row ``[L, K]``."""
-        return self.shape_per_token[0] * self.shape_per_token[1] * self.dtype.itemsize
+        return row_nbytes(self.shape_per_token, self.dtype)
 
     @property
     def block_nbytes(self) -> int:

@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 from r3capture.aux_output.call_checks import input_batch_error
-from r3capture.aux_output.device_side import DeviceSide, LaunchedStep
+from r3capture.aux_output.device_side import TORCH_DTYPES, DeviceSide, LaunchedStep
 from r3capture.aux_output.errors import require
 from r3capture.aux_output.request_table import RequestTable
 from r3capture.aux_output.sizing import WorkerSizing, queue_size, queue_stock
@@ -159,7 +159,5 @@ class StepLauncher:
 
     def _arena_blocks(self) -> torch.Tensor:
         """The store arena as ``[slots, B, L, K]`` of the row dtype (a view, no copy)."""
-        arena = self._store.arena
-        L, K = self._sizing.shape_per_token
-        torch_dtype = {1: torch.uint8, 2: torch.uint16}[self._sizing.dtype.itemsize]
-        return arena.view(torch_dtype).view(arena.shape[0], self._block_size, L, K)
+        rows = self._store.arena.view(TORCH_DTYPES[self._sizing.dtype])
+        return rows.view(rows.shape[0], self._block_size, *self._sizing.shape_per_token)
