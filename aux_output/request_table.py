@@ -253,7 +253,8 @@ class RequestTable:
         at = first % width
         head = min(len(slots), width - at)
         ring[at : at + head] = slots[:head]
-        ring[: len(slots) - head] = slots[head:]
+        if head < len(slots):  # the run wraps past the ring's end
+            ring[: len(slots) - head] = slots[head:]
         self.base[row] = base
         self.end[row] = last
 

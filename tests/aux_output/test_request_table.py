@@ -104,10 +104,6 @@ def test_ring_overflow_is_refused_before_any_change():
     assert table.unbound_slots(np.array([a])).tolist() == [3, 4, 5]
 
 
-def table_take_leading(table, rows, counts):
-    return table.take_leading(rows, counts)
-
-
 def extend_per_row(table, rows, firsts, counts, slots):
     """The same take through ``extend_row``, one row after the other."""
     slots = np.asarray(slots, np.int64)
@@ -132,7 +128,7 @@ def test_extend_matches_a_block_by_block_model(seed, per_row):
     ``take_leading_row`` (the small steps' forms) keep the same model; a row that would
     overflow is refused before it changes (the rows before it in the take have theirs)."""
     extend_rows = extend_per_row if per_row else extend
-    take = take_leading_per_row if per_row else table_take_leading
+    take = take_leading_per_row if per_row else RequestTable.take_leading
     rng = np.random.default_rng(seed)
     width = int(rng.integers(1, 8))
     table = RequestTable(ring_width=width, capacity=2)
