@@ -36,6 +36,9 @@ both connectors and caps the requests run at once; written as ``host_step_seqs<N
 ``--defer-kernel`` runs r3capture's kernel emulation where the host would next wait for the
 device instead of inside ``prepare_output`` (a GPU runs it while the host goes on), to show
 how much of r3capture's host time the emulation's place moves; ``host_step_deferred.json``.
+``--busy`` runs every replay beside one busy process (a Python loop that never sleeps), as
+a worker shares its cores with the engine's busy loop, tokenizers and other ranks; the
+tail (p99, max per step) is what it moves; ``host_step_busy.json``.
 """
 
 from __future__ import annotations
@@ -141,10 +144,22 @@ def _stats(values: np.ndarray) -> dict[str, float]:
             "cpu_total_ms": round(float(total[1]), 4)}  # fmt: skip
 
 
+def _tail(repeats: list[np.ndarray]) -> dict[str, float]:
+    """p99 and max per step of each repeat's own steps (``[n, 2]`` (wall, cpu) ns each),
+    in us, the median over the repeats: a run's tail, which the per-step median over repeats
+    would smooth away (a descheduled thread, a collection, a busy neighbour)."""
+    p99 = np.median([np.percentile(values, 99, axis=0) for values in repeats], axis=0) / 1e3
+    peak = np.median([values.max(axis=0) for values in repeats], axis=0) / 1e3
+    return {"p99": round(float(p99[0]), 2), "max": round(float(peak[0]), 2),
+            "cpu_p99": round(float(p99[1]), 2), "cpu_max": round(float(peak[1]), 2)}  # fmt: skip
+
+
 def _add_ratios(ours: dict[str, Any], theirs: dict[str, Any]) -> None:
     """``ratio_p50``... ``cpu_ratio_total`` = vLLM / r3capture, into ``ours``."""
     for clock in ("", "cpu_"):
-        for stat in ("p50", "p90", "total_ms"):
+        for stat in ("p50", "p90", "p99", "max", "total_ms"):
+            if clock + stat not in ours or clock + stat not in theirs:
+                continue
             name = f"{clock}ratio_{stat.removesuffix('_ms')}"
             ratio = _ratio(theirs[clock + stat], ours[clock + stat])
             ours[name] = None if ratio is None else round(ratio, 4)
@@ -157,7 +172,8 @@ def _summaries(
     ``params["kinds"]``, and ``{metric: (vLLM row, r3capture row)}``.
 
     Per step, the median over the repeats. p50/p20/p80/p90 are over the trace's steps (for
-    ``process``/``output``: the steps with a ``process_output``); totals over all steps.
+    ``process``/``output``: the steps with a ``process_output``); totals over all steps;
+    p99 and max over each repeat's steps, then the median over the repeats (``_tail``).
     """
     kinds = np.array(meta["kinds"])
     processed = np.zeros(len(kinds), bool)
@@ -171,6 +187,7 @@ def _summaries(
             metric: (
                 np.median(np.stack([s[metric] for s in steps]), axis=0),
                 np.stack([s[metric].sum(axis=0) for s in steps]) / 1e6,
+                [s[metric] for s in steps],
             )
             for metric in METRICS
         }
@@ -187,7 +204,7 @@ def _summaries(
         sampled = processed if metric in ("process", "output") else np.ones(len(kinds), bool)
         pair = []
         for provider in PROVIDERS:
-            per_step, repeat_totals = per_provider[provider][metric]
+            per_step, repeat_totals, repeat_steps = per_provider[provider][metric]
             values = per_step[sampled]
             kind_stats = {}
             for kind in kind_names if metric in KIND_METRICS else ():
@@ -195,6 +212,7 @@ def _summaries(
                 if mask.any():
                     kind_stats[kind] = {"steps": int(mask.sum()), **_stats(per_step[mask])}
             whole = _stats(per_step)
+            tail = _tail([steps[sampled] for steps in repeat_steps])
             row = make_result(
                 "host_step",
                 metric,
@@ -211,6 +229,7 @@ def _summaries(
                 repeats=len(replays),
                 p90=round(float(np.percentile(values[:, 0], 90)) / 1e3, 2),
                 cpu_p90=round(float(np.percentile(values[:, 1], 90)) / 1e3, 2),
+                **tail,
                 total_ms=whole["total_ms"],
                 cpu_total_ms=whole["cpu_total_ms"],
                 total_ms_repeats=[round(float(t), 3) for t in repeat_totals[:, 0]],
@@ -351,6 +370,7 @@ def run(
     free: list[str] | None = None,
     max_num_seqs: int | None = None,
     defer_kernel: bool = False,
+    busy: bool = False,
 ) -> tuple[list[Result], dict[str, Any]]:
     started = time.perf_counter()
     groups = [(model, depth) for depth in depths for model in models]
@@ -378,6 +398,7 @@ def run(
 
     replays: dict[tuple[str, int, str], list[dict]] = {}
     processes = []
+    neighbour = _busy_process() if busy else None
     with tempfile.TemporaryDirectory(prefix="host_step_") as tmp:
         for repeat in range(repeats):
             for model, depth in groups:
@@ -415,6 +436,9 @@ def run(
                         f"{time.perf_counter() - t0:.0f} s",
                         flush=True,
                     )
+    if neighbour is not None:
+        neighbour.kill()
+        neighbour.wait()
 
     rows: list[Result] = []
     summaries: dict[tuple[str, str, int], dict] = {}
@@ -422,6 +446,8 @@ def run(
     what_if = f", r3capture with {' and '.join(free)} counted as free" if free else ""
     if defer_kernel:
         what_if += ", r3capture's kernel emulation deferred to the next wait"
+    if busy:
+        what_if += ", one busy process beside each replay"
     print(
         f"\nratios vLLM / r3capture ({HEADLINE_NAME}; > 1 = r3capture cheaper{what_if}); "
         "p50 columns: vLLM/r3capture us",
@@ -478,6 +504,7 @@ def run(
             "background, all = main + output. GPU work replaced by one launch stand-in per "
             "launch on both sides (bench/stand_ins.py)."
         ),
+        "busy_neighbour": busy,
         "launch_stand_in_ns": stand_in,
         "timer_overhead_ns": timer,
         "repeats": repeats,
@@ -488,6 +515,11 @@ def run(
         "run_seconds": round(time.perf_counter() - started, 1),
     }
     return rows, {"extra": extra, "summaries": summaries}
+
+
+def _busy_process() -> subprocess.Popen:
+    """A process that keeps one core busy until killed (``--busy``)."""
+    return subprocess.Popen([sys.executable, "-c", "while True: pass"])
 
 
 def _is_family(name: str) -> bool:
@@ -523,6 +555,11 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="what-if: r3capture's kernel emulation runs where the host would next wait for "
         "the device, not inside prepare_output (bench/stand_ins.KernelStandIn)",
+    )
+    parser.add_argument(
+        "--busy",
+        action="store_true",
+        help="run every replay beside one busy process (written as host_step_busy.json)",
     )
     parser.add_argument(
         "--max-num-seqs",
@@ -562,11 +599,13 @@ def main(argv: list[str] | None = None) -> int:
         free=free,
         max_num_seqs=args.max_num_seqs,
         defer_kernel=args.defer_kernel,
+        busy=args.busy,
     )
     identical = all(s["identical"] for s in info["summaries"].values())
     seqs = [f"seqs{args.max_num_seqs}"] if args.max_num_seqs else []
     deferred = ["deferred"] if args.defer_kernel else []
-    name = "_".join(["host_step", *seqs, *deferred, *(["free", *free] if free else [])])
+    busy = ["busy"] if args.busy else []
+    name = "_".join(["host_step", *seqs, *busy, *deferred, *(["free", *free] if free else [])])
     write_results(
         name,
         rows,

@@ -6,9 +6,10 @@ Each family is a function ``(model, depth, seed) -> sim.Trace``; the simulator
 steps, preemptions and resets are steps like any other.
 
 Common to all: hash blocks and KV blocks of 16 tokens, an 8192-token step budget, chunked
-prefill (a prompt takes what is left of the budget), every request asks for its whole
-prompt's routing (``routed_experts_prompt_start = 0``, the RL rollout case), and
-``depth`` = ``max_concurrent_batches`` (2: async scheduling, MRV2's default).
+prefill (a prompt takes what is left of the budget) and ``depth`` =
+``max_concurrent_batches`` (2: async scheduling, MRV2's default). Requests ask for their
+whole prompt's routing (``routed_experts_prompt_start = 0``, the RL rollout case) except in
+the agentic family, where most turns ask only for their new rows.
 
 This module imports no torch, vLLM or simulator code at import time, so the benchmark's
 parent process can list families cheaply.
@@ -62,6 +63,7 @@ class _Requests:
         arrival_step: int = 0,
         after: str | None = None,
         accept_prob: float | None = None,
+        prompt_start: int = 0,
     ) -> RequestSpec:
         from sim.trace import RequestSpec
 
@@ -71,7 +73,7 @@ class _Requests:
             prompt=prompt,
             tokens=self.tokens(max_tokens + self.slack),
             max_tokens=max_tokens,
-            prompt_start=0,
+            prompt_start=prompt_start,
             arrival_step=arrival_step,
             after=after,
             accept_prob=accept_prob,
@@ -128,6 +130,110 @@ def decode(batch: int) -> Family:
         "steps first, then 160-192 output tokens each)",
         build,
     )
+
+
+def long_tail(batch: int) -> Family:
+    """The end of a rollout batch: a few requests left decoding long outputs."""
+    text = (
+        f"the long tail of a batch: {batch} request{'s' if batch > 1 else ''} decoding "
+        "512-1,024 output tokens (prompts 256-2,048)"
+    )
+
+    def build(model: ModelShape, depth: int, seed: int) -> Trace:
+        g = _Requests(seed)
+        reqs = [g.make(g.tokens(g.between(256, 2048)), g.between(512, 1024)) for _ in range(batch)]
+        return _trace(
+            f"long-tail-{batch}",
+            model,
+            depth,
+            seed,
+            reqs,
+            notes=text,
+            max_num_seqs=max(batch, 8),
+            num_gpu_blocks=_blocks_for(reqs),
+        )
+
+    return Family(f"long-tail-{batch}", text, build)
+
+
+def n_samples() -> Family:
+    """GRPO's group sampling: each prompt is sampled n times (n = 8 or 16), the samples
+    arriving together and sharing the prompt's prefix; groups arrive in waves."""
+    text = (
+        "GRPO groups: 24 prompts of 256-2,048 tokens, each sampled n = 8 or 16 times "
+        "(outputs 64-512 tokens), a group every 16 steps"
+    )
+
+    def build(model: ModelShape, depth: int, seed: int) -> Trace:
+        g = _Requests(seed)
+        reqs = []
+        for group in range(24):
+            prompt = g.tokens(g.between(256, 2048))
+            for _ in range(8 if g.rng.random() < 0.5 else 16):
+                reqs.append(g.make(prompt, g.between(64, 512), arrival_step=16 * group))
+        return _trace(
+            "n-samples",
+            model,
+            depth,
+            seed,
+            reqs,
+            notes=text,
+            max_num_seqs=128,
+            num_gpu_blocks=_blocks_for(reqs),
+        )
+
+    return Family("n-samples", text, build)
+
+
+def agentic() -> Family:
+    """Agent rollouts: each turn's prompt is the conversation so far (a prefix-cache hit),
+    the model's last answer (a tool call) and a tool's output; most turns ask only for the
+    rows they add, as an RL client that kept the earlier turns' rows does."""
+    text = (
+        "64 agent conversations, 4-8 turns, 32-64 running at once: a system prompt shared "
+        "by 8 conversations (1k-2k tokens), tool outputs of 20-500 tokens, answers of "
+        "16-160 tokens; 80% of turns ask only for new rows (routed_experts_prompt_start at "
+        "the prompt's end or at the tool output's start)"
+    )
+
+    def build(model: ModelShape, depth: int, seed: int) -> Trace:
+        g = _Requests(seed)
+        systems = [g.tokens(g.between(1024, 2048)) for _ in range(8)]
+        reqs, last_turns = [], []
+        for conv in range(64):
+            history = systems[conv % 8] + g.tokens(g.between(32, 256))
+            new_from = len(systems[conv % 8])
+            prev = None
+            for _ in range(g.between(4, 8)):
+                roll = g.rng.random()
+                start = 0 if roll < 0.2 else (new_from if roll < 0.6 else len(history))
+                out = g.between(16, 160)
+                req = g.make(
+                    history,
+                    out,
+                    # Half the conversations start at once, the rest as the first ones end.
+                    arrival_step=(conv // 32) * 60 if prev is None else g.between(0, 2),
+                    after=prev,
+                    prompt_start=start,
+                )
+                reqs.append(req)
+                new_from = len(history) + out
+                history = history + req.tokens[:out] + g.tokens(g.between(20, 500))
+                prev = req.req_id
+            last_turns.append(req)
+        return _trace(
+            "agentic",
+            model,
+            depth,
+            seed,
+            reqs,
+            notes=text,
+            max_num_seqs=64,
+            # Every conversation at its longest turn at once: no KV pressure.
+            num_gpu_blocks=_blocks_for(last_turns),
+        )
+
+    return Family("agentic", text, build)
 
 
 def prefill() -> Family:
@@ -301,6 +407,8 @@ FAMILIES: dict[str, Family] = {
     for f in (
         decode(1),
         decode(8),
+        long_tail(1),
+        long_tail(8),
         decode(32),
         decode(128),
         decode(256),
@@ -312,6 +420,8 @@ FAMILIES: dict[str, Family] = {
         speculative(3),
         speculative(5),
         mixed(),
+        n_samples(),
+        agentic(),
         full_store(),
     )
 }
@@ -343,4 +453,13 @@ def family(name: str) -> Family:
     )
 
 
-QUICK_FAMILIES = ("decode-32", "decode-256", "prefill", "multi-turn-short", "spec-k3", "mixed")
+QUICK_FAMILIES = (
+    "long-tail-8",
+    "decode-32",
+    "decode-256",
+    "prefill",
+    "multi-turn-short",
+    "spec-k3",
+    "mixed",
+    "agentic",
+)

@@ -19,8 +19,10 @@ same calls and measures each one:
   snapshot cast is made outside the timed calls; r3capture's kernel (its torch reference on
   a CPU, which also takes the step's new slots) is excluded from the call that launches
   it. Both sides pay one launch stand-in per launch instead (``bench/stand_ins.py``).
-* The garbage collector is off during a replay; young objects are collected after every
-  call, outside the timed calls.
+* The garbage collector runs as in vLLM's engine, which freezes its start-up heap
+  (``gc.freeze()``): everything alive before the timed loop (imports, the connector, the
+  prebuilt inputs) is frozen, and the collections the calls' own garbage triggers land in
+  the calls that trigger them.
 * Every ``process_output``'s outputs are digested (``sim.recording.digest_outputs``); the
   first failing call ends the replay and is reported as ``(step, call, exception type)``.
 
@@ -432,8 +434,7 @@ def replay(
     events = recording.events if max_events is None else recording.events[:max_events]
     bg_last = conn.background_cpu_ns()
     gc.collect()
-    gc_was_enabled = gc.isenabled()
-    gc.disable()
+    gc.freeze()
     try:
         for event in events:
             kind, step = event[0], event[1]
@@ -482,14 +483,12 @@ def replay(
             bg_now = conn.background_cpu_ns()
             background[step] += bg_now - bg_last
             bg_last = bg_now
-            gc.collect(0)
     finally:
         pending.clear()
         try:
             conn.handle.close()
         finally:
-            if gc_was_enabled:
-                gc.enable()
+            gc.unfreeze()
     return ReplayTimes(
         calls,
         background,

@@ -329,6 +329,51 @@ def test_families_build():
                 assert trace == family.build(model, depth, 0)  # deterministic
 
 
+def test_agentic_turns_mostly_ask_for_their_new_rows():
+    """The agentic family: multi-turn conversations with tool outputs of 20-500 tokens, most
+    turns asking only for the rows they add (``routed_experts_prompt_start`` at the prompt's
+    end or at the new tool output's start), 4-8 turns each."""
+    from bench.models import QWEN3_30B_A3B
+
+    trace = FAMILIES["agentic"].build(QWEN3_30B_A3B, 2, 0)
+    requests = {r.req_id: r for r in trace.requests}
+    at_end = inside = whole = 0
+    turns: dict[str, int] = {}
+    for r in trace.requests:
+        if r.prompt_start == len(r.prompt):
+            at_end += 1
+        elif r.prompt_start > 0:
+            inside += 1
+        else:
+            whole += 1
+        first = r
+        while first.after is not None:
+            first = requests[first.after]
+        turns[first.req_id] = turns.get(first.req_id, 0) + 1
+        if r.after is not None:
+            previous = requests[r.after]
+            # The previous turn's prompt and answer, then a tool output of 20-500 tokens.
+            answer = previous.tokens[: previous.max_tokens]
+            assert r.prompt[: len(previous.prompt) + len(answer)] == previous.prompt + answer
+            assert 20 <= len(r.prompt) - len(previous.prompt) - len(answer) <= 500
+    assert len(turns) == 64 and set(turns.values()) <= set(range(4, 9))
+    assert (at_end + inside) / len(trace.requests) >= 0.7 and at_end and inside and whole
+
+
+def test_the_long_tail_and_n_sample_families():
+    from bench.models import QWEN3_30B_A3B
+
+    for batch in (1, 8):
+        trace = FAMILIES[f"long-tail-{batch}"].build(QWEN3_30B_A3B, 2, 0)
+        assert len(trace.requests) == batch
+        assert all(r.max_tokens >= 512 for r in trace.requests)
+    trace = FAMILIES["n-samples"].build(QWEN3_30B_A3B, 2, 0)
+    groups: dict[tuple, int] = {}
+    for r in trace.requests:
+        groups[r.prompt] = groups.get(r.prompt, 0) + 1
+    assert len(groups) == 24 and set(groups.values()) == {8, 16}
+
+
 def test_families_at_sizes_the_registry_does_not_list(capsys):
     """``decode-N`` and ``spec-kN`` build at any size in range; other names are refused,
     naming the accepted forms, by ``family`` and by the command line."""

@@ -131,6 +131,28 @@ def test_ratios_are_vllm_over_r3capture(summary, metric):
     assert not any("ratio" in key for key in pairs["background"][1].params)
 
 
+@pytest.mark.parametrize("metric", ["main", "output", "all"])
+def test_tail_is_each_repeats_own_p99_and_max_then_their_median(summary, metric):
+    """A run's tail: a spike on one repeat's step counts there, where the per-step median over
+    the repeats would hide it."""
+    runs, _, pairs = summary
+    steps = PROCESSED if metric == "output" else list(range(len(KINDS)))
+    for provider, row in zip((VLLM, OURS), pairs[metric]):
+        for prefix, clock in (("", 0), ("cpu_", 1)):
+            own = [[_metric(r, metric, s, clock) for s in steps] for r in runs[provider]]
+            p99 = statistics.median(float(np.percentile(v, 99)) for v in own) / 1e3
+            peak = statistics.median(max(v) for v in own) / 1e3
+            assert row.params[prefix + "p99"] == pytest.approx(p99, 2e-3)
+            assert row.params[prefix + "max"] == pytest.approx(peak, 2e-3)
+    theirs, ours = pairs[metric]
+    assert ours.params["cpu_ratio_p99"] == pytest.approx(
+        theirs.params["cpu_p99"] / ours.params["cpu_p99"], 2e-3
+    )
+    assert ours.params["ratio_max"] == pytest.approx(
+        theirs.params["max"] / ours.params["max"], 2e-3
+    )
+
+
 def test_per_kind_statistics_cover_the_kinds_steps_only(summary):
     runs, _, pairs = summary
     for metric in ("main", "output"):
