@@ -81,10 +81,12 @@ def checked_emit_starts(
     for request_id in finished if check_ids else ():
         if request_id not in requests and not is_known(request_id):
             raise KeyError(f"metadata.finished_requests names unknown request {request_id!r}")
-    for name in ("retained_block_hashes", "released_block_hashes"):
-        packed = getattr(metadata, name, None)
-        if packed is not None and not _is_packed(packed):
-            _refuse_packed(f"metadata.{name}", packed)
+    packed = getattr(metadata, "retained_block_hashes", None)
+    if packed is not None and not _is_packed(packed):
+        _refuse_packed("metadata.retained_block_hashes", packed)
+    packed = getattr(metadata, "released_block_hashes", None)
+    if packed is not None and not _is_packed(packed):
+        _refuse_packed("metadata.released_block_hashes", packed)
     return emit_starts
 
 
@@ -182,8 +184,14 @@ def checked_batch_arrays(
         raise ValueError(
             f"input_batch has {num_reqs} requests, more than max_num_seqs ({max_num_seqs})"
         )
-    qsl = np.asarray(input_batch.query_start_loc_np)[: num_reqs + 1]
-    starts = np.asarray(input_batch.num_computed_tokens_np)[:num_reqs]
+    qsl = input_batch.query_start_loc_np
+    starts = input_batch.num_computed_tokens_np
+    if type(qsl) is not np.ndarray:
+        qsl = np.asarray(qsl)
+    if type(starts) is not np.ndarray:
+        starts = np.asarray(starts)
+    qsl = qsl[: num_reqs + 1]
+    starts = starts[:num_reqs]
     if num_reqs and (len(qsl) != num_reqs + 1 or qsl.dtype.kind not in "iu"):
         raise ValueError(
             f"input_batch.query_start_loc_np must be integers with >= {num_reqs + 1} "
@@ -195,7 +203,7 @@ def checked_batch_arrays(
         )
     if num_reqs == 0:
         return request_ids, starts, _EMPTY_QSL, 0
-    num_rows = int(qsl[-1])
+    num_rows = qsl.item(num_reqs)
     if num_rows > max_num_batched_tokens:
         raise ValueError(
             f"input_batch has {num_rows} rows, more than max_num_batched_tokens "

@@ -41,16 +41,16 @@ class Publisher:
 
     def publish(
         self,
-        rows: np.ndarray = _NO_ROWS,
+        rows: np.ndarray | list[int] = _NO_ROWS,
         retain_keys: KeyObjects = NO_KEY_OBJECTS,
         release_keys: KeyObjects = NO_KEY_OBJECTS,
         *,
         finished: Sequence[str] = (),
         finished_rows: Sequence[int] | None = None,
     ) -> None:
-        """Take every complete, keyed, unbound block of table ``rows`` (int64, distinct) out
-        of the table and queue one store call that binds them and applies ``retain_keys``
-        then ``release_keys``.
+        """Take every complete, keyed, unbound block of table ``rows`` (distinct; int64 or a
+        list of ints) out of the table and queue one store call that binds them and applies
+        ``retain_keys`` then ``release_keys``.
 
         Then the teardown of the requests ``finished`` (at ``finished_rows`` when given, for
         a row no longer named by its id): every key of theirs is released in the same call,
@@ -63,9 +63,10 @@ class Publisher:
                 finished_rows = [table.index[request_id] for request_id in finished]
             release_keys = join_keys((release_keys, table.release_order(finished_rows)))
         keys, slots = NO_KEY_OBJECTS, _NO_SLOTS
-        if 0 < rows.size <= PER_ROW_MAX:
-            keys, slots = self._take_ready_per_row(rows.tolist())
-        elif rows.size:
+        if 0 < len(rows) <= PER_ROW_MAX:
+            keys, slots = self._take_ready_per_row(rows if type(rows) is list else rows.tolist())
+        elif len(rows):
+            rows = np.asarray(rows, np.int64)
             # A request without a cursor (-1) gets min(.., -1) - base < 0: nothing ready.
             cursor_blocks = table.cursor[rows] // self._block_size
             ready = np.minimum(table.num_keys[rows], cursor_blocks) - table.base[rows]

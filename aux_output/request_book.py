@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from r3capture.aux_output import envs, step_commit
+from r3capture.aux_output import envs, small_step
 from r3capture.aux_output.call_checks import checked_batch_arrays
 from r3capture.aux_output.device_side import DeviceSide, LaunchedStep
 from r3capture.aux_output.errors import require
@@ -55,6 +55,8 @@ class RequestBook:
         partial_first_ok: bool = False,
     ) -> None:
         self.sizing = sizing
+        self._max_num_seqs = sizing.max_num_seqs
+        self._max_num_batched_tokens = sizing.max_num_batched_tokens
         # A request's first capture may start inside a hash block (P/D decoders).
         self._partial_first_ok = partial_first_ok
         B = self._block_size = sizing.hash_block_size
@@ -127,21 +129,35 @@ class RequestBook:
             reset_releases = table.release_order(table.live_rows().tolist())
             self._publisher.free(table.clear())
             self.generation = metadata.generation
-        if metadata.requests:
-            rows = self._rows_adding(metadata.requests)
-            if self._steps.detach_resumed(metadata.requests, rows):
-                rows = self._rows_adding(metadata.requests)  # new rows for resumed requests
-            ahead = emit_starts > table.emit[rows]
-            if np.count_nonzero(ahead):
-                # Only settled requests count: in-flight steps lag the scheduler's view.
-                ahead &= ~np.isin(rows, self._steps.rows())
-                require(not ahead.any(), "auxiliary output Scheduler emit cursor moved ahead")
-        hash_rows = None
-        if metadata.block_hashes:
-            hash_rows = [table.index[request_id] for request_id in metadata.block_hashes]
-        finishing = []
-        if metadata.finished_requests:
-            finishing = self._steps.finish(metadata.finished_requests)
+        requests = metadata.requests
+        if requests:
+            rows = self._rows_adding(requests)
+            steps = self._steps
+            if steps.has_deferred and steps.detach_resumed(requests, rows):
+                rows = self._rows_adding(requests)  # new rows for resumed requests
+            # Only settled requests are checked: in-flight steps lag the scheduler's view.
+            # The scheduler's requests are those of the last launch (the same rows, so the
+            # same cached array) while it is in flight: every one of them is.
+            if not (steps.layouts and rows is steps.layouts[-1].rows):
+                ahead = emit_starts > table.emit[rows]
+                if np.count_nonzero(ahead):
+                    ahead &= ~steps.covers(rows)
+                    require(
+                        not np.count_nonzero(ahead),
+                        "auxiliary output Scheduler emit cursor moved ahead",
+                    )
+        block_hashes = metadata.block_hashes
+        finished = metadata.finished_requests
+        if (
+            reset_releases is None
+            and not block_hashes
+            and not finished
+            and metadata.retained_block_hashes is None
+            and metadata.released_block_hashes is None
+        ):
+            return  # no key work: most decode steps
+        hash_rows = [table.index[request_id] for request_id in block_hashes] or None
+        finishing = self._steps.finish(finished) if finished else []
         key_work.add_step(
             metadata,
             pin_generation=pin_generation,
@@ -187,7 +203,7 @@ class RequestBook:
     def layout_of(self, input_batch: Any) -> StepLayout:
         """The step's request ids, table rows, scheduler starts and query_start_loc."""
         request_ids, starts, qsl, num_rows = checked_batch_arrays(
-            input_batch, self.sizing.max_num_seqs, self.sizing.max_num_batched_tokens
+            input_batch, self._max_num_seqs, self._max_num_batched_tokens
         )
         tearing_down = self._key_work.tearing_down
         if tearing_down and not tearing_down.isdisjoint(request_ids):
@@ -216,9 +232,35 @@ class RequestBook:
             self.device_side.count_transfer(launched, 0)
             return {}
         step_info, staged_rows = self.device_side.host_results(launched)
+        launched.accounted = True
+        if (
+            len(layout.rows) <= small_step.PER_REQUEST_MAX
+            and staged_rows is None
+            and len(self._steps) <= 2
+        ):
+            small = small_step.commit_small_step(
+                layout,
+                self.table,
+                step_info,
+                num_sampled,
+                num_rejected,
+                block_size=self._block_size,
+                partial_first_ok=self._partial_first_ok,
+                take_slots=self.launcher.queue.commit,
+                arena_rows=self._reader.arena_rows(),
+            )
+            if small is not None:
+                return self._finish_commit(
+                    layout,
+                    launched,
+                    small.outputs,
+                    small.completing,
+                    small.materialize,
+                    small.rows_written,
+                )
         # First, so that the host's account of the queue follows the device's whatever the
         # checks find.
-        self._take_new_slots(layout, launched, step_info)
+        self._take_new_slots(layout, step_info)
         plan = commit_step(
             layout,
             self.table,
@@ -234,34 +276,47 @@ class RequestBook:
             check_not_overwritten(layout, plan, self._steps.layouts)
         # Copy emitted rows out before any slot can be bound (and later reused).
         outputs = self._reader.emit(layout, plan)
+        materialize = [
+            (i, int(plan.emit_starts[i]), int(plan.token_ends[i]))
+            for i in plan.materialize.tolist()
+        ]
+        return self._finish_commit(layout, launched, outputs, None, materialize, plan.rows_written)
+
+    def _finish_commit(
+        self,
+        layout: StepLayout,
+        launched: LaunchedStep,
+        outputs: dict[str, AuxRequestOutput],
+        completing: list[int] | None,
+        materialize: list[tuple[int, int, int]],
+        rows_written: int,
+    ) -> dict[str, AuxRequestOutput]:
+        """The rest of a commit once the emitted rows are out: publish the step's complete
+        keyed blocks (of the table rows ``completing``; None: any of the step's), read its
+        prefix hits (``(index in the step, emit start, token end)``) from the store, count
+        the transfer and refill the free-slot queue."""
         # Publish the whole step before materializing: a hit may need a block from it.
-        if plan.completing is None:
-            self._publisher.publish(layout.rows)
-        elif len(plan.completing):
-            self._publisher.publish(layout.rows[plan.completing])
-        self._publisher.flush()
-        for i in plan.materialize.tolist():
+        publisher = self._publisher
+        if completing is None:
+            publisher.publish(layout.rows)
+        elif completing:
+            publisher.publish(completing)
+        publisher.flush()
+        for i, emit_start, token_end in materialize:
             request_id = layout.request_ids[i]
-            emit_start, token_end = int(plan.emit_starts[i]), int(plan.token_ends[i])
-            rows = self._reader.materialize(request_id, int(layout.rows[i]), emit_start, token_end)
+            rows = self._reader.materialize(request_id, layout.rows.item(i), emit_start, token_end)
             outputs[request_id] = AuxRequestOutput(emit_start, rows)
         if self.table.num_partial:
             self._drop_partial_blocks(layout.rows)
-        self.device_side.count_transfer(launched, plan.rows_written)
+        self.device_side.count_transfer(launched, rows_written)
         self.launcher.queue.refill()
         return outputs
 
-    def _take_new_slots(
-        self, layout: StepLayout, launched: LaunchedStep, step_info: np.ndarray
-    ) -> None:
+    def _take_new_slots(self, layout: StepLayout, step_info: np.ndarray) -> None:
         """Give the step's requests the slots their launch took from the queue (its
         ``step_info[:, 3]``, in batch order): each request's new blocks start at its ring's
         end, or at its first captured block."""
-        launched.accounted = True
         taken = step_info[:, 3]
-        if len(taken) <= step_commit.PER_REQUEST_MAX:  # the small steps the commit loops over
-            self._take_new_slots_per_request(layout, taken.tolist(), step_info)
-            return
         slots = self.launcher.queue.commit(int(taken.sum()))
         if not slots.size:
             return
@@ -275,26 +330,6 @@ class RequestBook:
             partial = ((ends == 0) & (starts % self._block_size != 0)).nonzero()[0]
             if partial.size:
                 self.table.mark_partial_first(rows[partial], starts[partial])
-
-    # Second form, for the small steps (step_commit.PER_REQUEST_MAX): a loop over the requests
-    # that took slots cuts the output thread's total by a sixth at 1-8 decoding requests
-    # (host_ab).
-    def _take_new_slots_per_request(
-        self, layout: StepLayout, taken: list[int], step_info: np.ndarray
-    ) -> None:
-        slots = self.launcher.queue.commit(sum(taken))
-        if not slots.size:
-            return
-        table, block_size, offset = self.table, self._block_size, 0
-        for i, count in enumerate(taken):
-            if not count:
-                continue
-            row, start = layout.rows.item(i), step_info.item(i, 0)
-            end = table.end.item(row)
-            table.extend_row(row, end or start // block_size, slots[offset : offset + count])
-            offset += count
-            if not end and self._partial_first_ok and start % block_size:
-                table.mark_partial_first(np.array([row]), np.array([start]))
 
     def _drop_partial_blocks(self, rows: np.ndarray) -> None:
         """P/D decoders: a partial first block whose rows were all returned leaves the ring
@@ -311,8 +346,9 @@ class RequestBook:
         before its commit read its results still hands its requests the slots it took, so
         the host's account of the queue keeps following the device's."""
         if launched.num_reqs and not launched.accounted:
+            launched.accounted = True
             step_info = self.device_side.results_after_failure(launched)
-            self._take_new_slots(layout, launched, step_info)
+            self._take_new_slots(layout, step_info)
         request_ids, rows = self._steps.settle(layout, teardown=teardown)
         if request_ids:
             self._publisher.publish(finished=request_ids, finished_rows=rows)

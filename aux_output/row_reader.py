@@ -27,11 +27,6 @@ from r3capture.aux_output.step_commit import CommitPlan, StepLayout
 from r3capture.aux_output.types import AuxRequestOutput
 from r3capture.store import BlockStore
 
-# Second form, kept for small decode steps: working out the arena rows over Python ints for up
-# to this many requests and rows cuts process_output by a fifth at one request (host_ab).
-EMIT_PER_REQUEST_MAX = 8
-EMIT_PER_REQUEST_ROWS = 64
-
 
 class RowReader:
     """Copies rows ``[L, K]`` of ``dtype`` between the store arena and outputs."""
@@ -53,18 +48,15 @@ class RowReader:
         self._dtype = np.dtype(dtype)
         self._row_nbytes = row_nbytes(shape_per_token, dtype)
         self._pool = output_pool
+        self._arena: np.ndarray | None = None
+        self._arena_view: np.ndarray | None = None
 
     def emit(self, layout: StepLayout, plan: CommitPlan) -> dict[str, AuxRequestOutput]:
         """Rows ``emit_start .. token_end`` of every ``plan.direct`` request, in one gather."""
         direct = plan.direct
         if direct.size == 0:
             return {}
-        emitted_rows = None
-        if len(direct) <= EMIT_PER_REQUEST_MAX:
-            emitted_rows = self._emitted_rows_per_request(layout.rows, plan)
-        if emitted_rows is None:
-            emitted_rows = self._emitted_rows_vectorized(layout.rows, plan)
-        index, counts, starts = emitted_rows
+        index, counts, starts = self._emitted_rows(layout.rows, plan)
         emitted = self._gather(index)
         ids = layout.request_ids
         names = ids if len(direct) == len(ids) else [ids[i] for i in direct.tolist()]
@@ -72,38 +64,11 @@ class RowReader:
         views = [emitted[end - count : end] for end, count in zip(ends, counts)]
         return dict(zip(names, map(AuxRequestOutput, starts, views)))
 
-    def _emitted_rows_per_request(
-        self, rows: np.ndarray, plan: CommitPlan
-    ) -> tuple[np.ndarray, list[int], list[int]] | None:
-        """Arena rows (int64) of the ``plan.direct`` requests' emitted rows, their counts and
-        emit starts, worked out over Python ints. None for more than
-        ``EMIT_PER_REQUEST_ROWS`` rows."""
-        B = self._block_size
-        slot_of = self._table.slot_of
-        table_rows = rows.tolist()
-        emit_starts = plan.emit_starts.tolist()
-        token_ends = plan.token_ends.tolist()
-        direct = plan.direct.tolist()
-        starts = [emit_starts[i] for i in direct]
-        counts = [token_ends[i] - emit_starts[i] for i in direct]
-        if sum(counts) > EMIT_PER_REQUEST_ROWS:
-            return None
-        index: list[int] = []
-        for i, position, count in zip(direct, starts, counts):
-            row, end = table_rows[i], position + count
-            while position < end:
-                # A run of rows inside one block is a run of arena rows.
-                block = position // B
-                stop = min(end, block * B + B)
-                first = slot_of(row, block) * B + position - block * B
-                index.extend(range(first, first + stop - position))
-                position = stop
-        return np.array(index, np.int64), counts, starts
-
-    def _emitted_rows_vectorized(
+    def _emitted_rows(
         self, rows: np.ndarray, plan: CommitPlan
     ) -> tuple[np.ndarray, list[int], list[int]]:
-        """``_emitted_rows_per_request`` with vector operations over the requests."""
+        """Arena rows (int64) of the ``plan.direct`` requests' emitted rows, their counts and
+        emit starts."""
         direct = plan.direct
         rows = rows[direct]
         starts = plan.emit_starts[direct]
@@ -143,7 +108,7 @@ class RowReader:
                 self._store.gather_into(slots, blocks)
             else:
                 positions = np.arange(emit_start - first, stored_end - first, dtype=np.int64)
-                arena = self._arena_rows()
+                arena = self.arena_rows()
                 out[: stored_end - emit_start] = arena[slots[positions // B] * B + positions % B]
             read_from = stored_end
         if read_from < token_end or read_from == emit_start:
@@ -162,7 +127,7 @@ class RowReader:
                 )
             positions = np.arange(read_from, token_end, dtype=np.int64)
             index = table.arena_rows(np.full(len(positions), row), positions, B)
-            out[read_from - emit_start :] = self._arena_rows()[index]
+            out[read_from - emit_start :] = self.arena_rows()[index]
         return out
 
     def _read_unbound(
@@ -180,7 +145,7 @@ class RowReader:
         positions = np.arange(emit_start, token_end, dtype=np.int64)
         index = self._table.arena_rows(np.full(len(positions), row), positions, self._block_size)
         out = self._pool.empty((len(positions), *self._shape), self._dtype)
-        out[...] = self._arena_rows()[index]
+        out[...] = self.arena_rows()[index]
         return out
 
     def place_staged(self, layout: StepLayout, step_info: np.ndarray, staged: np.ndarray) -> None:
@@ -197,11 +162,15 @@ class RowReader:
         positions = np.repeat(step_info[:, 0].astype(np.int64), counts) + offset
         row_of = np.repeat(layout.rows, counts)
         target = self._table.arena_rows(row_of, positions, self._block_size)
-        self._arena_rows()[target] = staged.reshape(-1, *self._shape)[source]
+        self.arena_rows()[target] = staged.reshape(-1, *self._shape)[source]
 
-    def _arena_rows(self) -> np.ndarray:
+    def arena_rows(self) -> np.ndarray:
         """The arena as ``[slots * B, L, K]`` rows of the output dtype (a view)."""
-        return self._store.arena_np.view(self._dtype).reshape(-1, *self._shape)
+        arena = self._store.arena_np
+        if arena is not self._arena:  # the store grew: a new arena
+            self._arena = arena
+            self._arena_view = arena.view(self._dtype).reshape(-1, *self._shape)
+        return self._arena_view
 
     def _gather(self, index: np.ndarray) -> np.ndarray:
         """``[n, L, K]`` array of arena rows ``index`` (int64 ``[n]``) in memory it owns."""

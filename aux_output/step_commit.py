@@ -10,11 +10,9 @@ hits).
 Errors are vLLM's: the first request (in batch order) that fails any check names the error,
 and for that request the checks come in vLLM's order.
 
-Two mechanisms, one result: a step of up to ``PER_REQUEST_MAX`` requests is committed by a
-loop over Python ints, a larger one by vector operations. The vector commit's few dozen numpy
-calls have a fixed cost per step, cold between a step's other work, whatever the batch; the
-loop's cost grows with the requests. The loop handles only steps that pass every check; on
-any failure it writes nothing and the vector commit raises the error.
+These are vector operations over the step's requests; a small step is committed by a loop
+over Python ints instead (``small_step.py``), which hands every step that fails a check to
+this commit for its error.
 """
 
 from __future__ import annotations
@@ -81,16 +79,6 @@ class CommitPlan:
     direct: np.ndarray  # requests whose returned rows all come from this step
     materialize: np.ndarray  # requests whose returned rows start before their capture start
     rows_written: int  # rows the kernel wrote for the step (its step_info; 0 without one)
-    # Requests whose accepted rows complete at least one hash block: only their blocks can
-    # have become ready to publish (a key arriving publishes in the key work). None from the
-    # vector commit: any request may, and publication's own test over the step picks them
-    # (for a large step, narrowing first costs more numpy calls than it saves).
-    completing: np.ndarray | None
-
-
-# Second form, kept for small steps: the per-request loop halves process_output at one
-# request and cuts it by a fifth at eight (host_ab).
-PER_REQUEST_MAX = 32
 
 
 def commit_step(
@@ -111,92 +99,6 @@ def commit_step(
     hash block (a P/D decoder whose prompt KV came from a prefiller; vLLM refuses it).
     Raises ``AuxOutputProtocolError`` without changing ``table``.
     """
-    args = (layout, table, num_sampled, num_rejected, step_info, block_size, partial_first_ok)
-    if len(layout.rows) <= PER_REQUEST_MAX:
-        plan = _commit_per_request(*args)
-        if plan is not None:
-            return plan
-    return _commit_vectorized(*args)
-
-
-def _commit_per_request(
-    layout: StepLayout,
-    table: RequestTable,
-    num_sampled: np.ndarray,
-    num_rejected: np.ndarray,
-    step_info: np.ndarray | None,
-    block_size: int,
-    partial_first_ok: bool,
-) -> CommitPlan | None:
-    """``commit_step`` as a loop over the requests; None (and ``table`` unchanged) when any
-    check fails."""
-    rows = layout.rows
-    num_reqs = len(rows)
-    starts = layout.token_starts.tolist()
-    bounds = layout.query_start_loc.tolist()
-    sampled = num_sampled[:num_reqs].tolist()
-    rejected = num_rejected[:num_reqs].tolist()
-    cursors = table.cursor[rows].tolist()
-    scheduled = table.scheduled[rows].tolist()
-    emit_starts = table.emit[rows].tolist()
-    placed = step_info.tolist() if step_info is not None else None
-    capture_starts, token_ends, new_emits, new_scheduled = [], [], [], []
-    direct, materialize, completing = [], [], []
-    rows_written = 0
-    for i in range(num_reqs):
-        start, n, r, cursor = starts[i], bounds[i + 1] - bounds[i], rejected[i], cursors[i]
-        fresh = cursor < 0  # NO_CURSOR
-        if fresh:
-            cursor = start
-        capture = min(start, cursor)
-        accepted = n - r
-        if (
-            n <= 0
-            or accepted < 0
-            or r < 0
-            or start < cursor
-            or (start > cursor and cursor >= scheduled[i])
-            or (fresh and accepted > 0 and capture % block_size != 0 and not partial_first_ok)
-        ):
-            return None
-        if placed is not None:
-            kernel_start, written, status, _ = placed[i]
-            if status != 0 or written < accepted or kernel_start != capture:
-                return None
-            rows_written += written
-        end = capture + accepted
-        if end // block_size > capture // block_size:
-            completing.append(i)
-        emit = emit_starts[i]
-        capture_starts.append(capture)
-        token_ends.append(end)
-        new_scheduled.append(start + n)
-        if sampled[i] > 0 and emit <= end:
-            (materialize if emit < capture else direct).append(i)
-            emit = end
-        new_emits.append(emit)
-    table.advance(rows, token_ends, new_scheduled, new_emits)
-    return CommitPlan(
-        np.array(capture_starts, np.int64),
-        np.array(token_ends, np.int64),
-        np.array(emit_starts, np.int64),
-        np.array(direct, np.int64),
-        np.array(materialize, np.int64),
-        rows_written,
-        np.array(completing, np.int64),
-    )
-
-
-def _commit_vectorized(
-    layout: StepLayout,
-    table: RequestTable,
-    num_sampled: np.ndarray,
-    num_rejected: np.ndarray,
-    step_info: np.ndarray | None,
-    block_size: int,
-    partial_first_ok: bool,
-) -> CommitPlan:
-    """``commit_step`` as vector operations over the requests."""
     rows, starts, num_tokens = layout.rows, layout.token_starts, layout.num_tokens
     num_reqs = len(rows)
     sampled = num_sampled[:num_reqs]
@@ -232,9 +134,7 @@ def _commit_vectorized(
     direct = (emits & ~before).nonzero()[0]
     materialize = (emits & before).nonzero()[0]
     table.advance(rows, token_ends, starts + num_tokens, np.where(emits, token_ends, emit_starts))
-    return CommitPlan(
-        capture_starts, token_ends, emit_starts, direct, materialize, rows_written, None
-    )
+    return CommitPlan(capture_starts, token_ends, emit_starts, direct, materialize, rows_written)
 
 
 def _raise_first_error(

@@ -48,6 +48,7 @@ class StepLauncher:
         wait_for_device_writes: Callable[[], None],
     ) -> None:
         self._sizing = sizing
+        self._depth = sizing.max_concurrent_batches
         self._block_size = sizing.hash_block_size
         self._table = table
         self._steps = steps
@@ -107,28 +108,27 @@ class StepLauncher:
         the batch's device inputs (``query_start_loc`` ``[>= R+1]``, ``positions``
         ``[>= num_rows]``, ``idx_mapping`` ``[>= R]``, 1-D, on the device), then launch the
         kernel. A refused step or input changes nothing."""
+        layouts = self._steps.layouts
         require(
-            len(self._steps.layouts) < self._sizing.max_concurrent_batches,
-            "auxiliary output step outputs are not consumed in order",
+            len(layouts) < self._depth, "auxiliary output step outputs are not consumed in order"
         )
         num_rows = layout.num_rows
         num_reqs = len(layout.rows)
+        side = self.device_side
         if not num_reqs:
-            launched = self.device_side.launch(
-                None, None, None, None, None, fresh=False, num_rows=num_rows
-            )
-            self._steps.add(layout)
+            launched = side.launch(None, None, None, None, None, fresh=False, num_rows=num_rows)
+            layouts.append(layout)
             return launched
-        device_inputs = (
-            getattr(input_batch, "query_start_loc", None),
-            getattr(input_batch, "positions", None),
-            getattr(input_batch, "idx_mapping", None),
-            num_rejected,
-        )
+        query_start_loc = getattr(input_batch, "query_start_loc", None)
+        positions = getattr(input_batch, "positions", None)
+        request_index = getattr(input_batch, "idx_mapping", None)
         queue = self.queue
         try:
-            shape = self.device_side.check_step(
-                *device_inputs,
+            shape = side.check_step(
+                query_start_loc,
+                positions,
+                request_index,
+                num_rejected,
                 num_reqs=num_reqs,
                 num_rows=num_rows,
                 launch=self._launches + 1,
@@ -144,12 +144,18 @@ class StepLauncher:
             shape = shape._replace(queue_tail=tail)
         fresh = self._table.take_fresh(layout.rows)
         if fresh is not None:
-            self.device_side.fresh_flags()[:num_reqs] = fresh
-        launched = self.device_side.launch(
-            shape, *device_inputs, fresh=fresh is not None, num_rows=num_rows
+            side.fresh_flags()[:num_reqs] = fresh
+        launched = side.launch(
+            shape,
+            query_start_loc,
+            positions,
+            request_index,
+            num_rejected,
+            fresh=fresh is not None,
+            num_rows=num_rows,
         )
         self._launches += 1
-        self._steps.add(layout)
+        layouts.append(layout)
         return launched
 
     def _attach(self) -> None:

@@ -33,6 +33,9 @@ class StepsInFlight:
         self.layouts: list[StepLayout] = []
         # Finished requests whose teardown waits for a step in flight.
         self._deferred = 0
+        # All False between calls of ``covers``, which marks and unmarks rows in flight
+        # (a set-membership test without np.isin's sorts).
+        self._marks = np.zeros(0, bool)
 
     def __len__(self) -> int:
         return len(self.layouts)
@@ -40,11 +43,27 @@ class StepsInFlight:
     def add(self, layout: StepLayout) -> None:
         self.layouts.append(layout)
 
+    @property
+    def has_deferred(self) -> bool:
+        """Whether a finished request's teardown waits for a step in flight."""
+        return self._deferred > 0
+
     def rows(self) -> np.ndarray:
         """Table rows of every request with a step in flight (int64, with repeats)."""
         if not self.layouts:
             return np.empty(0, np.int64)
         return np.concatenate([layout.rows for layout in self.layouts])
+
+    def covers(self, rows: np.ndarray) -> np.ndarray:
+        """Which of ``rows`` (int64 table rows) have a step in flight (bool, aligned)."""
+        marks = self._marks
+        if len(marks) < self._table.capacity:
+            marks = self._marks = np.zeros(self._table.capacity, bool)
+        in_flight = self.rows()
+        marks[in_flight] = True
+        covered = marks[rows]
+        marks[in_flight] = False
+        return covered
 
     def finish(self, request_ids: Iterable[str]) -> list[str]:
         """Mark ``request_ids`` finished; returns those no step in flight covers, to tear
@@ -86,7 +105,7 @@ class StepsInFlight:
         if not teardown or not self._deferred:
             return [], []
         rows = layout.rows
-        done = (self._table.finished[rows] & ~np.isin(rows, self.rows())).nonzero()[0]
+        done = (self._table.finished[rows] & ~self.covers(rows)).nonzero()[0]
         if not done.size:
             return [], []
         self._deferred -= len(done)

@@ -162,31 +162,31 @@ class TritonAuxOutputWorker:
     # ------------------------------------------------------------------ protocol
     def begin_step(self, metadata: AuxOutputConnectorMetadata | None) -> None:
         """Apply one scheduler step's hash updates, pins and terminal events."""
-        if self._book is None or metadata is None:
+        book = self._book
+        if book is None or metadata is None:
             self._step_metadata = metadata
             return
         with self._lock:
             # Under the lock: the output thread's teardown edits the request table.
-            emit_starts = checked_emit_starts(
-                metadata, self._book.is_tracked, self._book.generation
-            )
+            emit_starts = checked_emit_starts(metadata, book.is_tracked, book.generation)
             self._step_metadata = metadata
             if metadata.finished_requests:
                 require(
                     not metadata.requests.keys() & set(metadata.finished_requests),
                     "auxiliary output request cannot run and finish in one step",
                 )
-            require(
-                metadata.generation >= self._book.generation,
-                "auxiliary output metadata generation moved backwards",
-            )
-            if metadata.generation > self._book.generation:
+            generation = metadata.generation
+            if generation != book.generation:
+                require(
+                    generation > book.generation,
+                    "auxiliary output metadata generation moved backwards",
+                )
                 # The scheduler resets the prefix cache only with no model output in flight.
                 require(
-                    not self._book.num_in_flight,
+                    not book.num_in_flight,
                     "auxiliary output generation changed with output in flight",
                 )
-            self._book.begin(metadata, emit_starts)
+            book.begin(metadata, emit_starts)
 
     def prepare_output(
         self, input_batch: Any, num_rejected: torch.Tensor | None = None

@@ -45,8 +45,7 @@ from sim.workers import make_vllm_worker, r3capture_worker_factory
 # The module of each tuning constant a seed draws; each reads its constant at call time.
 _KNOB_HOMES = {
     "REATTACH_TOKENS": "r3capture.aux_output.sizing",
-    "PER_REQUEST_MAX": "r3capture.aux_output.step_commit",
-    "EMIT_PER_REQUEST_MAX": "r3capture.aux_output.row_reader",
+    "PER_REQUEST_MAX": "r3capture.aux_output.small_step",
     "PER_ROW_MAX": "r3capture.aux_output.publisher",
 }
 
@@ -97,8 +96,10 @@ def draw_case(seed: int) -> SweepCase:
     knobs = {
         "REATTACH_TOKENS": max(min_reattach, r.choice([0, 3, 8, 256])),
         "PER_REQUEST_MAX": r.choice([0, 1, 32, 1000]),
-        "EMIT_PER_REQUEST_MAX": r.choice([0, 1, 8, 1000]),
     }
+    # A draw that chose a knob since removed (the emitted rows' own small form): kept, so
+    # every later draw of a seed is what it was.
+    r.choice([0, 1, 8, 1000])
     destination = r.choice(destinations)
     pass_num_rejected = r.random() < 0.5
     interleave_seed = r.randrange(2**31) if r.random() < 0.5 else None

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 import torch
 
-from r3capture.aux_output import publisher, row_reader, step_commit
+from r3capture.aux_output import publisher, small_step
 from r3capture.aux_output.types import AuxOutputConnectorMetadata, PackedBlockHashes
 from sim import (
     SCENARIOS,
@@ -55,12 +55,10 @@ def test_scenario_byte_identical(scenario):
 
 @pytest.mark.parametrize("scenario", sorted(SCENARIOS))
 def test_scenario_byte_identical_with_vector_operations(scenario, monkeypatch):
-    # The scenarios' steps are small enough for the per-request loops (the step commit,
-    # the slots taken, publication, the emitted rows); this runs them through the vector
-    # operations instead.
-    monkeypatch.setattr(step_commit, "PER_REQUEST_MAX", 0)
+    # The scenarios' steps are small enough for the per-request loops (the small-step commit,
+    # publication); this runs them through the vector operations instead.
+    monkeypatch.setattr(small_step, "PER_REQUEST_MAX", 0)
     monkeypatch.setattr(publisher, "PER_ROW_MAX", 0)
-    monkeypatch.setattr(row_reader, "EMIT_PER_REQUEST_MAX", 0)
     _differential(make_trace(scenario, seed=0))
 
 

@@ -15,7 +15,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from r3capture.aux_output import publisher, row_reader, sizing, step_commit
+from r3capture.aux_output import publisher, sizing, small_step
 from sim import (
     make_trace,
     make_vllm_worker,
@@ -52,15 +52,14 @@ def test_random_trace_schedulers_agree_and_match_oracle(seed, vllm_first):
 @SETTINGS
 @given(seed=SEEDS, device_rejections=st.booleans(), vector_operations=st.booleans())
 def test_random_trace_workers_byte_identical(seed, device_rejections, vector_operations):
-    # These traces' steps are small: the per-request loops (the step commit, the slots taken,
-    # publication, the emitted rows) take most of them unless the vector operations are forced.
+    # These traces' steps are small: the per-request loops (the small-step commit,
+    # publication) take most of them unless the vector operations are forced.
     trace = random_trace(seed)
     ref = run_trace(trace, make_vllm_worker, catch_errors=True, check=False)
     factory = r3capture_worker_factory(kernel_impl="reference", pass_num_rejected=device_rejections)
     limits = (
-        (step_commit, "PER_REQUEST_MAX"),
+        (small_step, "PER_REQUEST_MAX"),
         (publisher, "PER_ROW_MAX"),
-        (row_reader, "EMIT_PER_REQUEST_MAX"),
     )
     with contextlib.ExitStack() as stack:
         for module, name in limits if vector_operations else ():

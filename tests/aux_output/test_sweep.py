@@ -7,7 +7,7 @@ from unittest import mock
 
 import pytest
 
-from r3capture.aux_output import row_reader, sizing
+from r3capture.aux_output import request_book, sizing, small_step
 from r3capture.aux_output.types import AuxRequestOutput
 from sim.sweep import VLLM_WRONG, draw_case, main, patched_knobs, run_case
 
@@ -35,11 +35,11 @@ def test_a_seed_draws_the_same_case_every_time_and_only_cases_the_worker_support
 
 
 def test_knobs_are_patched_only_for_the_run():
-    with patched_knobs({"REATTACH_TOKENS": 3, "EMIT_PER_REQUEST_MAX": 0}):
+    with patched_knobs({"REATTACH_TOKENS": 3, "PER_REQUEST_MAX": 0}):
         assert sizing.REATTACH_TOKENS == 3
-        assert row_reader.EMIT_PER_REQUEST_MAX == 0
+        assert small_step.PER_REQUEST_MAX == 0
     assert sizing.REATTACH_TOKENS == 256
-    assert row_reader.EMIT_PER_REQUEST_MAX == 8
+    assert small_step.PER_REQUEST_MAX == 32
 
 
 @pytest.mark.parametrize("seed", range(6))
@@ -48,11 +48,11 @@ def test_clean_seeds_pass(seed):
 
 
 def _one_flipped_byte():
-    """RowReader.emit whose first output of every step has one byte flipped."""
-    original = row_reader.RowReader.emit
+    """RequestBook.commit whose first output of every step has one byte flipped."""
+    original = request_book.RequestBook.commit
 
-    def emit(self, layout, plan):
-        outputs = original(self, layout, plan)
+    def commit(self, *args):
+        outputs = original(self, *args)
         for request_id, output in outputs.items():
             rows = output.rows.copy()
             rows.reshape(-1)[0] ^= 1
@@ -60,7 +60,7 @@ def _one_flipped_byte():
             break
         return outputs
 
-    return mock.patch.object(row_reader.RowReader, "emit", emit)
+    return mock.patch.object(request_book.RequestBook, "commit", commit)
 
 
 def test_a_wrong_byte_fails_the_seed_and_the_command(capsys):
