@@ -16,12 +16,10 @@ from __future__ import annotations
 
 from typing import Any
 
-import numpy as np
-
 from r3capture.aux_output.publisher import Publisher, join_keys
 from r3capture.aux_output.request_table import RequestTable
-from r3capture.aux_output.types import key_rows_of, key_rows_of_requests
-from r3capture.store import KeyObjects, key_objects
+from r3capture.aux_output.types import key_objects_of, key_objects_of_requests
+from r3capture.store import NO_KEY_OBJECTS, KeyObjects
 
 
 class StepKeyWork:
@@ -121,26 +119,21 @@ class KeyWorkQueue:
         bind the blocks now complete and keyed, retain the pins and the new keys, release
         the released pins, the reset's keys and the finished requests' keys; then the
         finished requests are torn down."""
-        table = self._table
-        retains = []
+        retains = NO_KEY_OBJECTS
         if work.rows:
-            rows, counts = key_rows_of_requests(work.hashes, work.generation)
-            keys = key_objects(rows)
-            table.add_keys(work.rows, keys, counts)
-            retains.append(keys)
-        # The requests' keys before the pins: of equal keys the store keeps the first object
-        # it meets, and the table's are those later calls hand back. (Retains commute.)
-        retains.append(key_objects(key_rows_of(work.pins_retained, work.pin_generation)))
-        releases = [
-            key_objects(key_rows_of(work.pins_released, work.pin_generation)),
-            *work.releases,
-        ]
-        self._publisher.publish(
-            np.asarray(work.rows, np.int64),
-            join_keys(retains),
-            join_keys(releases),
-            finished=work.finishing,
-        )
+            retains, counts = key_objects_of_requests(work.hashes, work.generation)
+            self._table.add_keys(work.rows, retains, counts)
+        releases = NO_KEY_OBJECTS
+        if work.pins_retained is not None:
+            # The requests' keys before the pins: of equal keys the store keeps the first
+            # object it meets, and the table's are those later calls hand back. (Retains
+            # commute.)
+            retains = join_keys((retains, key_objects_of(work.pins_retained, work.pin_generation)))
+        if work.pins_released is not None or work.releases:
+            releases = join_keys(
+                (key_objects_of(work.pins_released, work.pin_generation), *work.releases)
+            )
+        self._publisher.publish(work.rows, retains, releases, finished=work.finishing)
 
 
 def _has_hashes(packed: Any) -> bool:

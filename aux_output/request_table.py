@@ -189,9 +189,10 @@ class RequestTable:
         end = 0
         own, num_keys = self._keys, self.num_keys
         for row, count in zip(rows, counts):
-            own[row].extend(keys[end : end + count])
+            keys_of_row = own[row]
+            keys_of_row.extend(keys[end : end + count])
             end += count
-        num_keys[np.asarray(rows, np.int64)] = list(map(len, map(own.__getitem__, rows)))
+            num_keys[row] = len(keys_of_row)
 
     def keys_of(self, row: int, first_block: int, end_block: int) -> KeyObjects:
         """Keys of blocks ``first_block .. end_block - 1`` of ``row``."""

@@ -13,7 +13,14 @@ from dataclasses import dataclass
 import numpy as np
 
 from r3capture.aux_output import compat
-from r3capture.store import KEY_WORDS, key_rows
+from r3capture.store import (
+    KEY_WORDS,
+    NO_KEY_OBJECTS,
+    KeyObjects,
+    join_key_objects,
+    key_objects_of_hashes,
+    key_rows,
+)
 
 if compat.vllm_connector_module() is not None:
     _connector = compat.vllm_connector_module()
@@ -70,6 +77,31 @@ def key_rows_of(block_hashes: PackedBlockHashes | None, generation: int) -> np.n
     return key_rows(generation, block_hashes.data, block_hashes.item_size)
 
 
+def key_objects_of(block_hashes: PackedBlockHashes | None, generation: int) -> KeyObjects:
+    """``key_objects(key_rows_of(block_hashes, generation))``."""
+    if block_hashes is None or not block_hashes.data:
+        return NO_KEY_OBJECTS
+    return key_objects_of_hashes(generation, block_hashes.data, block_hashes.item_size)
+
+
+def key_objects_of_requests(
+    block_hashes: Iterable[PackedBlockHashes | None], generation: int
+) -> tuple[KeyObjects, list[int]]:
+    """Every request's key objects, concatenated in order, and the count per request: one
+    conversion over all requests' hashes (``key_rows_of_requests`` for key objects)."""
+    packed = list(block_hashes)
+    if len(packed) == 1 and packed[0] is not None:
+        keys = key_objects_of(packed[0], generation)
+        return keys, [len(keys)]
+    sizes = {h.item_size for h in packed if h is not None}
+    if len(sizes) > 1:
+        parts = [key_objects_of(h, generation) for h in packed]
+        return join_key_objects(parts), [len(part) for part in parts]
+    size = sizes.pop() if sizes else 32
+    data = [b"" if h is None else h.data for h in packed]
+    return key_objects_of_hashes(generation, b"".join(data), size), [len(d) // size for d in data]
+
+
 def key_rows_of_requests(
     block_hashes: Iterable[PackedBlockHashes | None], generation: int
 ) -> tuple[np.ndarray, list[int]]:
@@ -92,6 +124,8 @@ __all__ = [
     "AuxOutputConnectorMetadata",
     "AuxRequestOutput",
     "PackedBlockHashes",
+    "key_objects_of",
+    "key_objects_of_requests",
     "key_rows_of",
     "key_rows_of_requests",
 ]

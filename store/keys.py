@@ -163,6 +163,27 @@ def _objects_of(rows: np.ndarray) -> KeyObjects:
     return KeyObjects(rows.view(_KEY_OBJECT).reshape(-1).tolist())
 
 
+# Second form of ``key_objects_of_hashes``: up to this many hashes, Python's bytes
+# concatenation beats the rows' few numpy calls (a decode step's key work gets one or two
+# hashes; ``bench.run host_ab``, the long-tail families).
+HASHES_PER_OBJECT_MAX = 32
+
+
+def key_objects_of_hashes(generation: int, data: bytes, item_size: int) -> KeyObjects:
+    """``key_objects(key_rows(generation, data, item_size))``: the key objects of the
+    concatenated hashes in ``data``, in order."""
+    count = len(data) // item_size if type(item_size) is int and item_size > 0 else 0
+    if not count or count > HASHES_PER_OBJECT_MAX or len(data) % item_size:
+        return key_objects(key_rows(generation, data, item_size))
+    head = (_check_generation(generation) << 8 | _check_item_size(item_size)).to_bytes(8, "little")
+    if item_size == MAX_HASH_BYTES:
+        return KeyObjects([head + data[i : i + item_size] for i in range(0, len(data), item_size)])
+    pad = bytes(MAX_HASH_BYTES - item_size)
+    return KeyObjects(
+        [head + data[i : i + item_size] + pad for i in range(0, len(data), item_size)]
+    )
+
+
 def join_key_objects(parts: Iterable[Sequence[bytes]]) -> KeyObjects:
     """Key objects (each part a ``KeyObjects`` or a slice of one) concatenated in order, the
     same objects."""

@@ -8,8 +8,13 @@ import os
 import numpy as np
 import pytest
 
-from r3capture.aux_output.types import PackedBlockHashes, key_rows_of, key_rows_of_requests
-from r3capture.store import KEY_WORDS, key_rows_from_strings, key_string
+from r3capture.aux_output.types import (
+    PackedBlockHashes,
+    key_objects_of_requests,
+    key_rows_of,
+    key_rows_of_requests,
+)
+from r3capture.store import KEY_WORDS, key_objects, key_rows_from_strings, key_string
 
 
 def _hashes(n: int, item_size: int = 32) -> PackedBlockHashes:
@@ -42,6 +47,20 @@ def test_keys_of_requests_equal_per_request_keys_in_order(layout):
     expected = [_vllm_keys(h, 7) for h in hashes]
     assert counts == [len(k) for k in expected]
     assert strings(rows) == [key for per_request in expected for key in per_request]
+
+
+@pytest.mark.parametrize(
+    "layout", [[3, 0, 1, 5], [0, 0], [1], [], [2, None, 4], [40], [20, 20], [None]]
+)
+def test_key_objects_of_requests_are_the_rows_objects(layout):
+    hashes = [None if n is None else _hashes(n) for n in layout]
+    keys, counts = key_objects_of_requests(hashes, 7)
+    rows, row_counts = key_rows_of_requests(hashes, 7)
+    assert keys == key_objects(rows) and counts == row_counts
+    mixed = [_hashes(2, 32), None, _hashes(3, 16)]
+    keys, counts = key_objects_of_requests(mixed, 1)
+    rows, row_counts = key_rows_of_requests(mixed, 1)
+    assert keys == key_objects(rows) and counts == row_counts == [2, 0, 3]
 
 
 def test_keys_of_requests_with_mixed_hash_sizes():

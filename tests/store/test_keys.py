@@ -12,11 +12,13 @@ from hypothesis import strategies as st
 
 from r3capture.store import KEY_WORDS, as_key_rows, key_rows, key_rows_from_strings, key_string
 from r3capture.store.keys import (
+    HASHES_PER_OBJECT_MAX,
     MAX_GENERATION,
     KeyObjects,
     as_key_objects,
     join_key_objects,
     key_objects,
+    key_objects_of_hashes,
     key_strings,
     rows_of_key_objects,
 )
@@ -48,6 +50,33 @@ def test_layout_and_round_trip(item_size, generation):
     parsed = key_rows_from_strings(strings)
     assert parsed.dtype == np.uint64 and parsed.flags.c_contiguous
     np.testing.assert_array_equal(parsed, rows)
+
+
+@pytest.mark.parametrize("item_size", [1, 7, 16, 31, 32], ids=lambda s: f"{s}B")
+@pytest.mark.parametrize("count", [1, 2, HASHES_PER_OBJECT_MAX, HASHES_PER_OBJECT_MAX + 1, 70])
+def test_key_objects_straight_from_hashes_are_the_rows_objects(item_size, count):
+    """Both forms (bytes concatenation for a few hashes, the rows beyond) make the objects
+    ``key_objects`` makes of the same hashes' rows, with the documented layout."""
+    rng = np.random.default_rng(item_size * 100 + count)
+    for generation in (0, 5, MAX_GENERATION):
+        data = rng.bytes(item_size * count)
+        made = key_objects_of_hashes(generation, data, item_size)
+        assert type(made) is KeyObjects
+        assert made == key_objects(key_rows(generation, data, item_size))
+        digests = [data[i : i + item_size] for i in range(0, len(data), item_size)]
+        assert [struct.unpack("<5Q", key) for key in made] == [
+            tuple(expected_row(generation, d)) for d in digests
+        ]
+
+
+@pytest.mark.parametrize("item_size", [0, 33])
+def test_key_objects_from_hashes_refuse_what_key_rows_refuses(item_size):
+    with pytest.raises(ValueError, match=f"block hash of {item_size} bytes"):
+        key_objects_of_hashes(0, bytes(66), item_size)
+    with pytest.raises(ValueError, match="generation must be in 0"):
+        key_objects_of_hashes(-1, bytes(16), 16)
+    with pytest.raises(ValueError, match="not a whole number of 16-byte hashes"):
+        key_objects_of_hashes(0, bytes(40), 16)
 
 
 def test_a_short_hash_is_not_a_longer_one_ending_in_zeros():
