@@ -20,7 +20,10 @@ Method (details in ``bench/host_step_replay.py`` and ``bench/stand_ins.py``):
    only orchestrates and aggregates.
 3. GPU work is replaced by the same launch stand-in on both sides; outputs are digested per
    step; a trace whose digests differ between connectors (or from the simulator's) gets no
-   ratio.
+   ratio. The other connector shadows the timed one: it makes every call too, untimed,
+   just before the timed one's, so both sides' calls follow the same CPU work (r3capture's
+   kernel emulation included; ``bench/host_step_replay.py`` says why). ``--alone``
+   replays each connector by itself instead (``host_step_alone.json``).
 4. Per step and metric, the median over the repeats; then p50/p20/p80/p90 over the trace's
    steps and whole-trace totals, for all steps and per step kind. Both clocks are kept;
    the headline is thread CPU time (see ``bench/RESULTS.md``).
@@ -371,6 +374,7 @@ def run(
     max_num_seqs: int | None = None,
     defer_kernel: bool = False,
     busy: bool = False,
+    alone: bool = False,
 ) -> tuple[list[Result], dict[str, Any]]:
     started = time.perf_counter()
     groups = [(model, depth) for depth in depths for model in models]
@@ -413,7 +417,8 @@ def run(
                             "--out",
                             str(out_path),
                             *(["--free", ",".join(free)] if free and provider == OURS else []),
-                            *(["--defer-kernel"] if defer_kernel and provider == OURS else []),
+                            *(["--defer-kernel"] if defer_kernel else []),
+                            *(["--alone"] if alone else []),
                             *dirs[(model, depth)],
                         ]
                     )
@@ -448,6 +453,8 @@ def run(
         what_if += ", r3capture's kernel emulation deferred to the next wait"
     if busy:
         what_if += ", one busy process beside each replay"
+    if alone:
+        what_if += ", each connector alone (no shadow)"
     print(
         f"\nratios vLLM / r3capture ({HEADLINE_NAME}; > 1 = r3capture cheaper{what_if}); "
         "p50 columns: vLLM/r3capture us",
@@ -502,9 +509,12 @@ def run(
             "enqueue_cpu_copy, process = process_output, background = CPU of connector threads "
             "(vLLM's store writer, drained outside timed calls), output = process + "
             "background, all = main + output. GPU work replaced by one launch stand-in per "
-            "launch on both sides (bench/stand_ins.py)."
+            "launch on both sides (bench/stand_ins.py). Unless --alone, the other connector "
+            "makes every call untimed just before the timed one's (the shadow), so both "
+            "sides' calls follow the same CPU work, r3capture's kernel emulation included."
         ),
         "busy_neighbour": busy,
+        "shadow": not alone,
         "launch_stand_in_ns": stand_in,
         "timer_overhead_ns": timer,
         "repeats": repeats,
@@ -557,6 +567,12 @@ def main(argv: list[str] | None = None) -> int:
         "the device, not inside prepare_output (bench/stand_ins.KernelStandIn)",
     )
     parser.add_argument(
+        "--alone",
+        action="store_true",
+        help="each connector replays alone, without the other as its untimed shadow "
+        "(written as host_step_alone.json)",
+    )
+    parser.add_argument(
         "--busy",
         action="store_true",
         help="run every replay beside one busy process (written as host_step_busy.json)",
@@ -600,12 +616,16 @@ def main(argv: list[str] | None = None) -> int:
         max_num_seqs=args.max_num_seqs,
         defer_kernel=args.defer_kernel,
         busy=args.busy,
+        alone=args.alone,
     )
     identical = all(s["identical"] for s in info["summaries"].values())
     seqs = [f"seqs{args.max_num_seqs}"] if args.max_num_seqs else []
     deferred = ["deferred"] if args.defer_kernel else []
     busy = ["busy"] if args.busy else []
-    name = "_".join(["host_step", *seqs, *busy, *deferred, *(["free", *free] if free else [])])
+    alone = ["alone"] if args.alone else []
+    name = "_".join(
+        ["host_step", *seqs, *busy, *alone, *deferred, *(["free", *free] if free else [])]
+    )
     write_results(
         name,
         rows,

@@ -23,6 +23,13 @@ same calls and measures each one:
   (``gc.freeze()``): everything alive before the timed loop (imports, the connector, the
   prebuilt inputs) is frozen, and the collections the calls' own garbage triggers land in
   the calls that trigger them.
+* The other connector shadows the timed one (``SHADOW``, the default; ``--alone`` turns
+  it off): it makes every call too, untimed, just before the timed connector's. A GPU runs
+  r3capture's kernel off the host, but here its CPU emulation runs between r3capture's calls
+  and evicts the caches and branch history its next call would have found warm; vLLM's
+  calls, alone, find theirs warm. In a serving engine the forward pass, the scheduler and
+  the sampler run between the calls of either. With the shadow, each timed call follows
+  the same CPU work on both sides: both connectors' calls and the emulation.
 * Every ``process_output``'s outputs are digested (``sim.recording.digest_outputs``); the
   first failing call ends the replay and is reported as ``(step, call, exception type)``.
 
@@ -393,6 +400,47 @@ class _NoExclusion:
     launches = 0
 
 
+class _Driver:
+    """One connector driven through a recording's calls: its call for each event, and what
+    it keeps between calls (the pending steps)."""
+
+    def __init__(self, conn: _Connector, inputs: _StepInputs, rows: np.ndarray) -> None:
+        self.conn = conn
+        self.inputs = inputs
+        self.rows = rows
+        self.pending: dict[int, Any] = {}
+
+    def call(self, event: tuple) -> tuple[Any, tuple, dict]:
+        """``(fn, args, kwargs)`` of the event's call; untimed work before it is done here."""
+        from sim.recording import BEGIN, ENQUEUE, PREPARE, PROCESS
+
+        kind, step, conn, inputs = event[0], event[1], self.conn, self.inputs
+        if kind == BEGIN:
+            return conn.handle.worker.begin_step, (inputs.metadata[step],), {}
+        if kind == PREPARE:
+            call = event[2]
+            n = call.num_rows
+            conn.capture[:n] = self.rows[call.rows_offset : call.rows_offset + n]
+            conn.stage(int(call.query_start_loc[len(call.req_ids)]))
+            return conn.prepare, (inputs.batches[step], inputs.rejected[step]), {}
+        if kind == ENQUEUE:
+            late_sampled, late_rejected = inputs.late[step]
+            kwargs = {"num_sampled": late_sampled, "num_rejected": late_rejected}
+            return self.pending[step].enqueue_cpu_copy, (), kwargs
+        if kind == PROCESS:
+            for late, final in zip(inputs.late[step], inputs.final[step]):
+                late[:] = final
+            return self.pending.pop(step).process_output, (), {}
+        raise ValueError(f"unknown recorded call {kind!r}")
+
+    def keep(self, event: tuple, result: Any) -> None:
+        """Keep what a prepare_output returned for the step's later calls."""
+        from sim.recording import PREPARE
+
+        if event[0] == PREPARE and result is not None:
+            self.pending[event[1]] = result
+
+
 def replay(
     recording: Any,
     connector: str,
@@ -400,18 +448,26 @@ def replay(
     exclusion: Any = None,
     metadata_types: tuple[type, type] | None = None,
     max_events: int | None = None,
+    shadow: bool = False,
 ) -> ReplayTimes:
     """Drive a fresh ``connector`` through ``recording``'s calls and time each one.
 
     ``exclusion``: a ``KernelStandIn`` already entered (r3capture), whose excluded time is
     subtracted from the call that launched the kernel. ``max_events``: stop early (warm-up).
+    ``shadow``: the other connector makes every call too, untimed, just before this one's
+    (``SHADOW``): each timed call then follows the same CPU work on both sides.
     """
-    from sim.recording import BEGIN, ENQUEUE, PREPARE, PROCESS, digest_outputs, vllm_metadata_types
+    from sim.recording import PREPARE, PROCESS, digest_outputs, vllm_metadata_types
 
     exclusion = exclusion if exclusion is not None else _NoExclusion()
     settle = getattr(exclusion, "settle", _noop)
     inputs = _build_inputs(recording, metadata_types or vllm_metadata_types())
     conn = make_connector(connector, recording.sizing)
+    timed = _Driver(conn, inputs, recording.rows)
+    other = None
+    if shadow:
+        (name,) = (c for c in CONNECTORS if c != connector)
+        other = _Driver(make_connector(name, recording.sizing), inputs, recording.rows)
     exclusions = (exclusion, *conn.exclusions)
 
     def excluded() -> tuple[int, int]:
@@ -425,8 +481,6 @@ def replay(
     background = np.zeros(steps, np.int64)
     digests: list[tuple[int, str]] = []
     error = None
-    pending: dict[int, Any] = {}
-    rows = recording.rows
     call_index = {name: i for i, name in enumerate(CALLS)}
     wall, cpu = time.perf_counter_ns, time.thread_time_ns
     launches0 = exclusion.launches
@@ -438,28 +492,19 @@ def replay(
     try:
         for event in events:
             kind, step = event[0], event[1]
-            args: tuple = ()
-            kwargs: dict[str, Any] = {}
-            if kind == BEGIN:
-                fn, args = conn.handle.worker.begin_step, (inputs.metadata[step],)
-            elif kind == PREPARE:
-                call = event[2]
-                n = call.num_rows
-                settle()  # deferred launches read the rows about to be replaced
-                conn.capture[:n] = rows[call.rows_offset : call.rows_offset + n]
-                conn.stage(int(call.query_start_loc[len(call.req_ids)]))
-                fn, args = conn.prepare, (inputs.batches[step], inputs.rejected[step])
-            elif kind == ENQUEUE:
-                late_sampled, late_rejected = inputs.late[step]
-                fn = pending[step].enqueue_cpu_copy
-                kwargs = {"num_sampled": late_sampled, "num_rejected": late_rejected}
-            elif kind == PROCESS:
-                settle()  # the step's results, as after its copy event
-                for late, final in zip(inputs.late[step], inputs.final[step]):
-                    late[:] = final
-                fn = pending.pop(step).process_output
-            else:
-                raise ValueError(f"unknown recorded call {kind!r}")
+            if kind in (PREPARE, PROCESS):
+                # Deferred launches read the rows about to be replaced; a step's results
+                # are read after its copy event.
+                settle()
+            if other is not None:
+                fn, args, kwargs = other.call(event)
+                try:
+                    other.keep(event, fn(*args, **kwargs))
+                except Exception as exc:  # noqa: BLE001 - reported like the simulator does
+                    error = (step, f"shadow {kind}", type(exc).__name__)
+                    break
+                other.conn.drain()
+            fn, args, kwargs = timed.call(event)
             ex_wall, ex_cpu = excluded()
             try:
                 w0, c0 = wall(), cpu()
@@ -472,21 +517,21 @@ def replay(
             slot = calls[call_index[kind], step]
             slot[0] += w1 - w0 - (ex_wall2 - ex_wall)
             slot[1] += c1 - c0 - (ex_cpu2 - ex_cpu)
-            if kind == PREPARE:
-                pending[step] = result
-                if result is None:
-                    pending.pop(step)
-            elif kind == PROCESS:
+            timed.keep(event, result)
+            if kind == PROCESS:
                 digests.append((step, digest_outputs(result)))
-                del result
+            del result
             conn.drain()
             bg_now = conn.background_cpu_ns()
             background[step] += bg_now - bg_last
             bg_last = bg_now
     finally:
-        pending.clear()
+        timed.pending.clear()
         try:
             conn.handle.close()
+            if other is not None:
+                other.pending.clear()
+                other.conn.handle.close()
         finally:
             gc.unfreeze()
     return ReplayTimes(
@@ -497,7 +542,7 @@ def replay(
         exclusion.launches - launches0
         if connector == "r3capture"
         else getattr(conn.snapshot, "launches", 0),
-        exclusion.excluded_cpu_ns - excluded0,
+        exclusion.excluded_cpu_ns - excluded0 if connector == "r3capture" else 0,
     )
 
 
@@ -546,15 +591,17 @@ def _replay_main(args: argparse.Namespace) -> int:
     # One thread for torch: thread CPU time then covers all of a call's torch work.
     torch.set_num_threads(1)
     metadata_types = vllm_metadata_types()
-    if args.defer_kernel and args.connector != "r3capture":
+    shadow = not args.alone
+    if args.defer_kernel and args.connector != "r3capture" and not shadow:
         raise SystemExit(f"--defer-kernel applies to r3capture only, not {args.connector}")
+    # The stand-in also runs r3capture's kernel emulation when r3capture is the shadow.
     exclusion = (
         KernelStandIn(defer=args.defer_kernel).__enter__()
-        if args.connector == "r3capture"
+        if args.connector == "r3capture" or shadow
         else None
     )
     free = args.free.split(",") if args.free else []
-    if free and exclusion is None:
+    if free and args.connector != "r3capture":
         raise SystemExit(f"--free applies to r3capture only, not {args.connector}")
     freed = FreeParts(exclusion, free).__enter__() if free else None
     out: dict[str, Any] = {
@@ -574,11 +621,16 @@ def _replay_main(args: argparse.Namespace) -> int:
                 exclusion=exclusion,
                 metadata_types=metadata_types,
                 max_events=WARMUP_EVENTS,
+                shadow=shadow,
             )
             gc.collect()
         t0 = time.perf_counter()
         times = replay(
-            recording, args.connector, exclusion=exclusion, metadata_types=metadata_types
+            recording,
+            args.connector,
+            exclusion=exclusion,
+            metadata_types=metadata_types,
+            shadow=shadow,
         )
         forward_steps = sum(1 for event in recording.events if event[0] == "prepare_output")
         if forward_steps and not times.launches:
@@ -626,6 +678,11 @@ def main(argv: list[str] | None = None) -> int:
         "--defer-kernel",
         action="store_true",
         help="r3capture only: its kernel emulation runs where the host would wait for it",
+    )
+    rep.add_argument(
+        "--alone",
+        action="store_true",
+        help="no shadow: the other connector makes no calls between this one's",
     )
     rep.add_argument("dirs", nargs="+")
     args = parser.parse_args(argv)

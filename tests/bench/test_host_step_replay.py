@@ -50,6 +50,46 @@ def test_replay_reproduces_the_simulator(scenario, tmp_path):
             assert times.background.sum() > 0  # the store writer's CPU time was read
 
 
+def test_the_shadow_makes_every_call_just_before_the_timed_one(monkeypatch):
+    """With ``shadow``, the other connector makes each recorded call untimed, right before
+    the timed connector's (both from fresh state); the timed outputs are the simulator's
+    and the shadow's own time lands in no timed call (here a 50 ms sleep in each of its
+    begin_steps)."""
+    import time as clock
+
+    from sim.workers import make_vllm_worker
+
+    trace = make_trace("async_spec", seed=0)
+    recording = record_trace(trace)
+    order = []
+    shadowed = {"name": None}
+    slow_ns = 50_000_000
+    vllm_class = type(make_vllm_worker(recording.sizing).worker)
+    pairs = (
+        (worker.TritonAuxOutputWorker, "r3capture"),
+        (vllm_class, "vllm-0.33.0"),
+    )
+    for cls, name in pairs:
+        original = cls.begin_step
+
+        def begin_step(self, metadata, original=original, name=name):
+            order.append(name)
+            if name == shadowed["name"]:
+                clock.sleep(slow_ns / 1e9)
+            return original(self, metadata)
+
+        monkeypatch.setattr(cls, "begin_step", begin_step)
+    begins = sum(1 for e in recording.events if e[0] == "begin_step")
+    for timed in PROVIDERS:
+        (shadowed["name"],) = [p for p in PROVIDERS if p != timed]
+        order.clear()
+        with KernelStandIn() as exclusion:
+            times = replay(recording, timed, exclusion=exclusion, shadow=True)
+        assert times.error is None and times.digests == recording.digests, timed
+        assert order == [shadowed["name"], timed] * begins
+        assert times.calls[CALLS.index("begin_step"), :, 0].max() < slow_ns // 5
+
+
 def test_recorded_request_indices_are_the_simulators_and_the_replay_hands_them_back():
     """The request indices (MRV2's ``idx_mapping``) the simulator gave each batch are
     recorded and every replayed batch carries them again, on the host and as an int64
