@@ -31,7 +31,7 @@ import torch
 from r3capture.aux_output.errors import require
 from r3capture.aux_output.sizing import row_nbytes
 from r3capture.kernels import GatherAllocLaunch, can_write_host_directly
-from r3capture.kernels._alloc_checks import AllocShape, check_alloc_step_args
+from r3capture.kernels._alloc_checks import AllocShape, AllocStatic, check_alloc_step_args
 
 TORCH_DTYPES = {np.dtype(np.uint8): torch.uint8, np.dtype(np.uint16): torch.uint16}
 
@@ -187,6 +187,11 @@ class DeviceSide:
         with requests new to their index; pass ``fresh=True`` to ``launch`` then."""
         return self._fresh_np[self._next]
 
+    @property
+    def static(self) -> AllocStatic:
+        """The launches' validated step-independent arguments (the same for every one)."""
+        return self._launches[self._next].static
+
     def check_step(
         self,
         query_start_loc: object,
@@ -202,7 +207,7 @@ class DeviceSide:
         """The kernel's checks of one step's device inputs (``KernelArgumentError`` names
         a bad one), made before anything changes; ``launch`` then repeats none of them."""
         return check_alloc_step_args(
-            self._launches[self._next].static, query_start_loc=query_start_loc,
+            self.static, query_start_loc=query_start_loc,
             positions=positions, request_index=request_index, num_rejected=num_rejected,
             fresh=None, num_reqs=num_reqs, num_rows=num_rows, launch=launch,
             queue_tail=queue_tail,

@@ -25,6 +25,7 @@ from r3capture.aux_output.slot_queue import SlotQueue
 from r3capture.aux_output.step_commit import StepLayout
 from r3capture.aux_output.steps_in_flight import StepsInFlight
 from r3capture.kernels import KernelArgumentError
+from r3capture.kernels._alloc_checks import check_alloc_step_args
 from r3capture.store import BlockStore
 
 
@@ -124,11 +125,13 @@ class StepLauncher:
         request_index = getattr(input_batch, "idx_mapping", None)
         queue = self.queue
         try:
-            shape = side.check_step(
-                query_start_loc,
-                positions,
-                request_index,
-                num_rejected,
+            shape = check_alloc_step_args(
+                self._static,
+                query_start_loc=query_start_loc,
+                positions=positions,
+                request_index=request_index,
+                num_rejected=num_rejected,
+                fresh=None,
                 num_reqs=num_reqs,
                 num_rows=num_rows,
                 launch=self._launches + 1,
@@ -161,6 +164,7 @@ class StepLauncher:
     def _attach(self) -> None:
         """Make the kernel's destination the store's current arena."""
         self.device_side.attach(self._arena_blocks())
+        self._static = self.device_side.static
         self._detached = False
 
     def _arena_blocks(self) -> torch.Tensor:

@@ -176,7 +176,7 @@ ABLATIONS = {
     "input-checks": (
         ("r3capture.aux_output.worker", "checked_emit_starts"),
         ("r3capture.aux_output.request_book", "checked_batch_arrays"),
-        ("r3capture.aux_output.device_side", "DeviceSide.check_step"),
+        ("r3capture.aux_output.step_launcher", "check_alloc_step_args"),
     ),
 }
 

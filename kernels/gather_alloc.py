@@ -530,6 +530,8 @@ class GatherAllocLaunch:
         if not self._use_triton:
             # The kernel code never depends on its oracle: imported only when chosen.
             self._reference = importlib.import_module("r3capture.kernels.alloc_reference")
+            # The reference's arguments, the step's filled in at each launch.
+            self._reference_args = dict(self._args)
         static = self._static
         tiles = _tile_config(static.num_layers * static.top_k)
         self._tiles = tiles
@@ -634,10 +636,12 @@ class GatherAllocLaunch:
         if shape.num_reqs == 0:
             return
         if not self._use_triton:
-            args = dict(
-                self._args, query_start_loc=query_start_loc, positions=positions,
-                request_index=request_index, num_rejected=num_rejected, fresh=fresh,
-            )  # fmt: skip
+            args = self._reference_args
+            args["query_start_loc"] = query_start_loc
+            args["positions"] = positions
+            args["request_index"] = request_index
+            args["num_rejected"] = num_rejected
+            args["fresh"] = fresh
             self._reference.gather_alloc_reference_checked(args, self._static, shape)
             return
         tiles = self._tiles
