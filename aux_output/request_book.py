@@ -131,7 +131,10 @@ class RequestBook:
             self.generation = metadata.generation
         requests = metadata.requests
         if requests:
-            rows = self._rows_adding(requests)
+            try:
+                rows = table.rows(list(requests), cache="scheduled")
+            except KeyError:  # new requests
+                rows = self._rows_adding(requests)
             steps = self._steps
             if steps.has_deferred and steps.detach_resumed(requests, rows):
                 rows = self._rows_adding(requests)  # new rows for resumed requests

@@ -18,7 +18,7 @@ import torch
 
 from r3capture.aux_output.call_checks import input_batch_error
 from r3capture.aux_output.device_side import TORCH_DTYPES, DeviceSide, LaunchedStep
-from r3capture.aux_output.errors import require
+from r3capture.aux_output.errors import AuxOutputProtocolError
 from r3capture.aux_output.request_table import RequestTable
 from r3capture.aux_output.sizing import WorkerSizing, queue_size, queue_stock
 from r3capture.aux_output.slot_queue import SlotQueue
@@ -110,9 +110,8 @@ class StepLauncher:
         ``[>= num_rows]``, ``idx_mapping`` ``[>= R]``, 1-D, on the device), then launch the
         kernel. A refused step or input changes nothing."""
         layouts = self._steps.layouts
-        require(
-            len(layouts) < self._depth, "auxiliary output step outputs are not consumed in order"
-        )
+        if len(layouts) >= self._depth:
+            raise AuxOutputProtocolError("auxiliary output step outputs are not consumed in order")
         num_rows = layout.num_rows
         num_reqs = len(layout.rows)
         side = self.device_side
@@ -145,7 +144,8 @@ class StepLauncher:
             self._attach()  # refilling grew the store: a new arena
         if tail != shape.queue_tail:
             shape = shape._replace(queue_tail=tail)
-        fresh = self._table.take_fresh(layout.rows)
+        table = self._table
+        fresh = table.take_fresh(layout.rows) if table.num_unlaunched else None
         if fresh is not None:
             side.fresh_flags()[:num_reqs] = fresh
         launched = side.launch(
