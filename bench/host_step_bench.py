@@ -36,9 +36,10 @@ times r3capture as if those parts of its host work cost nothing; it is written a
 ``host_step_free_<parts>.json`` so the measured run stays apart. ``--max-num-seqs 1024``
 (vLLM's serve default on H100/H200-class GPUs) replaces every family's own, which sizes
 both connectors and caps the requests run at once; written as ``host_step_seqs<N>.json``.
-``--defer-kernel`` runs r3capture's kernel emulation where the host would next wait for the
-device instead of inside ``prepare_output`` (a GPU runs it while the host goes on), to show
-how much of r3capture's host time the emulation's place moves; ``host_step_deferred.json``.
+r3capture's kernel emulation runs where the host would next wait for the device (before the
+step's ``process_output``, before the next step's rows, before the store replaces its
+arena), as a GPU runs the kernel while the host goes on; ``--inline-kernel`` runs it inside
+``prepare_output`` instead, off the clock (``host_step_inline.json``).
 ``--busy`` runs every replay beside one busy process (a Python loop that never sleeps), as
 a worker shares its cores with the engine's busy loop, tokenizers and other ranks; the
 tail (p99, max per step) is what it moves; ``host_step_busy.json``.
@@ -372,7 +373,7 @@ def run(
     seed: int = 0,
     free: list[str] | None = None,
     max_num_seqs: int | None = None,
-    defer_kernel: bool = False,
+    inline_kernel: bool = False,
     busy: bool = False,
     alone: bool = False,
 ) -> tuple[list[Result], dict[str, Any]]:
@@ -417,7 +418,7 @@ def run(
                             "--out",
                             str(out_path),
                             *(["--free", ",".join(free)] if free and provider == OURS else []),
-                            *(["--defer-kernel"] if defer_kernel else []),
+                            *(["--inline-kernel"] if inline_kernel else []),
                             *(["--alone"] if alone else []),
                             *dirs[(model, depth)],
                         ]
@@ -449,8 +450,8 @@ def run(
     summaries: dict[tuple[str, str, int], dict] = {}
     recordings = {}
     what_if = f", r3capture with {' and '.join(free)} counted as free" if free else ""
-    if defer_kernel:
-        what_if += ", r3capture's kernel emulation deferred to the next wait"
+    if inline_kernel:
+        what_if += ", r3capture's kernel emulation inside prepare_output"
     if busy:
         what_if += ", one busy process beside each replay"
     if alone:
@@ -561,10 +562,10 @@ def main(argv: list[str] | None = None) -> int:
         "--free", help="what-if: r3capture's parts counted as free, of: " + ",".join(ABLATIONS)
     )
     parser.add_argument(
-        "--defer-kernel",
+        "--inline-kernel",
         action="store_true",
-        help="what-if: r3capture's kernel emulation runs where the host would next wait for "
-        "the device, not inside prepare_output (bench/stand_ins.KernelStandIn)",
+        help="r3capture's kernel emulation runs inside prepare_output (off the clock), not "
+        "where the host would next wait for the device (bench/stand_ins.KernelStandIn)",
     )
     parser.add_argument(
         "--alone",
@@ -614,17 +615,17 @@ def main(argv: list[str] | None = None) -> int:
         seed=args.seed,
         free=free,
         max_num_seqs=args.max_num_seqs,
-        defer_kernel=args.defer_kernel,
+        inline_kernel=args.inline_kernel,
         busy=args.busy,
         alone=args.alone,
     )
     identical = all(s["identical"] for s in info["summaries"].values())
     seqs = [f"seqs{args.max_num_seqs}"] if args.max_num_seqs else []
-    deferred = ["deferred"] if args.defer_kernel else []
+    inline = ["inline"] if args.inline_kernel else []
     busy = ["busy"] if args.busy else []
     alone = ["alone"] if args.alone else []
     name = "_".join(
-        ["host_step", *seqs, *busy, *alone, *deferred, *(["free", *free] if free else [])]
+        ["host_step", *seqs, *busy, *alone, *inline, *(["free", *free] if free else [])]
     )
     write_results(
         name,

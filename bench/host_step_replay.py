@@ -17,19 +17,20 @@ same calls and measures each one:
   with their recorded request indices, ``idx_mapping`` and ``idx_mapping_np``, numpy
   arrays, the device ``num_rejected`` tensor); rows go into the capture buffer and vLLM's
   snapshot cast is made outside the timed calls; r3capture's kernel (its torch reference on
-  a CPU, which also takes the step's new slots) is excluded from the call that launches
-  it. Both sides pay one launch stand-in per launch instead (``bench/stand_ins.py``).
+  a CPU, which also takes the step's new slots) runs where the host would next wait for
+  the device (``--inline-kernel``: inside the launching call, its time excluded). Both
+  sides pay one launch stand-in per launch instead (``bench/stand_ins.py``).
 * The garbage collector runs as in vLLM's engine, which freezes its start-up heap
   (``gc.freeze()``): everything alive before the timed loop (imports, the connector, the
   prebuilt inputs) is frozen, and the collections the calls' own garbage triggers land in
   the calls that trigger them.
-* The other connector shadows the timed one (``SHADOW``, the default; ``--alone`` turns
-  it off): it makes every call too, untimed, just before the timed connector's. A GPU runs
-  r3capture's kernel off the host, but here its CPU emulation runs between r3capture's calls
-  and evicts the caches and branch history its next call would have found warm; vLLM's
-  calls, alone, find theirs warm. In a serving engine the forward pass, the scheduler and
-  the sampler run between the calls of either. With the shadow, each timed call follows
-  the same CPU work on both sides: both connectors' calls and the emulation.
+* The other connector shadows the timed one (the default; ``--alone`` turns it off): it
+  makes every call too, untimed, just before the timed connector's. A GPU runs r3capture's
+  kernel off the host, but here its CPU emulation runs between r3capture's calls and
+  evicts the caches and branch history its next call would have found warm; vLLM's calls,
+  alone, find theirs warm. In a serving engine the forward pass, the scheduler and the
+  sampler run between the calls of either. With the shadow, each timed call follows the
+  same CPU work on both sides: both connectors' calls and the emulation.
 * Every ``process_output``'s outputs are digested (``sim.recording.digest_outputs``); the
   first failing call ends the replay and is reported as ``(step, call, exception type)``.
 
@@ -455,7 +456,8 @@ def replay(
     ``exclusion``: a ``KernelStandIn`` already entered (r3capture), whose excluded time is
     subtracted from the call that launched the kernel. ``max_events``: stop early (warm-up).
     ``shadow``: the other connector makes every call too, untimed, just before this one's
-    (``SHADOW``): each timed call then follows the same CPU work on both sides.
+    (the module docstring says why): each timed call then follows the same CPU work on
+    both sides.
     """
     from sim.recording import PREPARE, PROCESS, digest_outputs, vllm_metadata_types
 
@@ -592,11 +594,11 @@ def _replay_main(args: argparse.Namespace) -> int:
     torch.set_num_threads(1)
     metadata_types = vllm_metadata_types()
     shadow = not args.alone
-    if args.defer_kernel and args.connector != "r3capture" and not shadow:
-        raise SystemExit(f"--defer-kernel applies to r3capture only, not {args.connector}")
+    if args.inline_kernel and args.connector != "r3capture" and not shadow:
+        raise SystemExit(f"--inline-kernel applies to r3capture only, not {args.connector}")
     # The stand-in also runs r3capture's kernel emulation when r3capture is the shadow.
     exclusion = (
-        KernelStandIn(defer=args.defer_kernel).__enter__()
+        KernelStandIn(defer=not args.inline_kernel).__enter__()
         if args.connector == "r3capture" or shadow
         else None
     )
@@ -675,9 +677,10 @@ def main(argv: list[str] | None = None) -> int:
         "--free", default="", help="r3capture only: comma-separated ablations counted as free"
     )
     rep.add_argument(
-        "--defer-kernel",
+        "--inline-kernel",
         action="store_true",
-        help="r3capture only: its kernel emulation runs where the host would wait for it",
+        help="r3capture's kernel emulation runs inside prepare_output, not where the host "
+        "would next wait for the device",
     )
     rep.add_argument(
         "--alone",

@@ -110,7 +110,7 @@ class KernelStandIn:
 
     def __enter__(self) -> KernelStandIn:
         module, attr = kernel_binding()
-        self._wrap(module, attr, self._count_launch)
+        self._wrap(module, attr)
         if self.defer:
             from r3capture.aux_output.device_side import DeviceSide
 
@@ -135,19 +135,19 @@ class KernelStandIn:
             self.excluded_wall_ns += w1 - w0
             self.excluded_cpu_ns += c1 - c0
 
-    def _count_launch(self, *args: Any, **kwargs: Any) -> int:
-        self.launches += 1
-        return 1
-
-    def _wrap(self, module: ModuleType, attr: str, count: Any) -> None:
+    def _wrap(self, module: ModuleType, attr: str) -> None:
+        """Replace ``module.attr``, the kernel's emulation, by one stand-in launch: the
+        emulation runs with its time excluded, now or (``defer``) at the next ``settle``."""
         original = getattr(module, attr)
         wall, cpu = time.perf_counter_ns, time.thread_time_ns
+        deferred = self._deferred
 
         def stand_in(*args: Any, **kwargs: Any) -> Any:
+            self.launches += 1
             if self.defer:
-                self._deferred.append((original, args, kwargs))
-                for _ in range(count(*args, **kwargs)):
-                    launch_stand_in()
+                # The launcher refills its dict of arguments at its next launch: keep a copy.
+                deferred.append((original, (dict(args[0]), *args[1:]), kwargs))
+                launch_stand_in()
                 return None
             w0, c0 = wall(), cpu()
             try:
@@ -156,8 +156,7 @@ class KernelStandIn:
                 c1, w1 = cpu(), wall()
                 self.excluded_wall_ns += w1 - w0
                 self.excluded_cpu_ns += c1 - c0
-                for _ in range(count(*args, **kwargs)):
-                    launch_stand_in()
+                launch_stand_in()
 
         self._bindings.append((module, attr, original))
         setattr(module, attr, stand_in)
