@@ -17,7 +17,6 @@ from __future__ import annotations
 import itertools
 
 import numpy as np
-import torch
 
 from r3capture.aux_output.errors import AuxOutputProtocolError
 from r3capture.aux_output.output_pool import OutputPool
@@ -26,6 +25,7 @@ from r3capture.aux_output.sizing import row_nbytes
 from r3capture.aux_output.step_commit import CommitPlan, StepLayout
 from r3capture.aux_output.types import AuxRequestOutput
 from r3capture.store import BlockStore
+from r3capture.store.arena import take_rows
 
 
 class RowReader:
@@ -182,11 +182,5 @@ class RowReader:
             taken = np.take(rows, index, axis=0)
             return taken.view(self._dtype).reshape(len(index), *self._shape)
         out = self._pool.empty((len(index), *self._shape), self._dtype)
-        # torch copies each row with one memcpy; np.take(out=) goes element by element.
-        torch.index_select(
-            torch.from_numpy(rows),
-            0,
-            torch.from_numpy(index),
-            out=torch.from_numpy(out.reshape(len(index), -1).view(np.uint8)),
-        )
+        take_rows(rows, index, out.reshape(len(index), -1).view(np.uint8))
         return out

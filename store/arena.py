@@ -51,8 +51,9 @@ class Arena:
         if self._on_grow is not None:
             self._on_grow()
         tensor = self._new(physical)
-        tensor[: self.physical].copy_(self.tensor)
-        self.tensor, self.np = tensor, tensor.numpy()
+        fresh = tensor.numpy()
+        fresh[: self.physical] = self.np  # numpy: on this thread, not torch's thread pool
+        self.tensor, self.np = tensor, fresh
         self.version += 1
 
     def write(self, slots: list[int], blocks: np.ndarray) -> None:
@@ -68,10 +69,24 @@ class Arena:
     def gather(self, slots: np.ndarray, out: np.ndarray) -> None:
         """Copy slots ``slots`` (int64 ``[n]``) into ``out`` (uint8 ``[n, object_nbytes]``,
         C-contiguous)."""
-        # torch's row gather copies each slot with one memcpy; np.take(axis=0, out=) goes
-        # element-wise through a buffered iterator, several times slower for KiB-sized rows.
-        torch.index_select(self.tensor, 0, torch.from_numpy(slots), out=torch.from_numpy(out))
+        take_rows(self.np, slots, out)
 
     def _new(self, physical: int) -> torch.Tensor:
         shape = (physical, self.object_nbytes)
         return torch.empty(shape, dtype=torch.uint8, pin_memory=self._pin_memory)
+
+
+def take_rows(source: np.ndarray, index: np.ndarray, out: np.ndarray) -> None:
+    """``out[i] = source[index[i]]`` for rows of a 2-D C-contiguous ``source`` (``index``:
+    int64 ``[n]``; ``out``: ``[n, row]`` C-contiguous); ``IndexError`` for an index out of
+    range, before anything is copied.
+
+    One memcpy a row on the calling thread. torch's ``index_select`` runs large gathers on
+    its thread pool, which waits for every one of its threads: on a busy machine, for one
+    that was descheduled (milliseconds). numpy's ``take`` copies a row at a time unless it
+    must buffer ``out``, which it does in its default mode; the bounds are checked here
+    instead, so its ``clip`` mode never clips."""
+    if len(index) and (index.min() < 0 or index.max() >= len(source)):
+        bad = index[(index < 0) | (index >= len(source))]
+        raise IndexError(f"rows {bad.tolist()[:8]} out of range for {len(source)} rows")
+    np.take(source, index, axis=0, out=out, mode="clip")

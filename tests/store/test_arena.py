@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from r3capture.store.arena import Arena
+from r3capture.store.arena import Arena, take_rows
 
 
 @pytest.mark.parametrize(
@@ -26,3 +26,23 @@ def test_write_then_gather_moves_the_bytes_of_exactly_those_slots(slots):
         out = np.empty((len(picks), 6), np.uint8)
         arena.gather(picks, out)
         assert np.array_equal(out, expected[picks])
+
+
+@pytest.mark.parametrize("rows, width", [(1, 8), (7, 384), (300, 6144)])
+def test_take_rows_copies_exactly_the_indexed_rows(rows, width):
+    rng = np.random.default_rng(rows)
+    source = rng.integers(0, 256, (rows * 3 + 2, width), dtype=np.uint8)
+    index = rng.integers(0, len(source), rows).astype(np.int64)
+    out = np.full((rows, width), 7, np.uint8)
+    take_rows(source, index, out)
+    assert np.array_equal(out, source[index])
+
+
+@pytest.mark.parametrize("bad", [-1, 10, 11])
+def test_take_rows_refuses_a_row_out_of_range_before_copying(bad):
+    """numpy's clip mode would copy the nearest row instead: the bounds are checked first."""
+    source = np.arange(40, dtype=np.uint8).reshape(10, 4)
+    out = np.full((3, 4), 255, np.uint8)
+    with pytest.raises(IndexError, match=f"rows \\[{bad}\\] out of range for 10 rows"):
+        take_rows(source, np.array([1, bad, 2], np.int64), out)
+    assert (out == 255).all()
