@@ -39,7 +39,7 @@ from unittest import mock
 
 from sim.compare import diff_results, only_reference_fails
 from sim.engine import SimResult, run_trace
-from sim.trace import random_trace
+from sim.trace import ROLLOUTS, random_trace
 from sim.workers import make_vllm_worker, r3capture_worker_factory
 
 # The module of each tuning constant a seed draws; each reads its constant at call time.
@@ -61,13 +61,14 @@ class SweepCase:
     pass_num_rejected: bool
     interleave_seed: int | None
     knobs: dict[str, int] = field(default_factory=dict)
+    rollout: str | None = None
 
     def describe(self) -> str:
         knobs = " ".join(f"{k}={v}" for k, v in sorted(self.knobs.items()))
         return (
             f"seed {self.seed}: shape {self.shape}, destination {self.destination}, "
             f"device rejections {self.pass_num_rejected}, interleave {self.interleave_seed}, "
-            f"{knobs}"
+            f"rollout {self.rollout}, {knobs}"
         )
 
 
@@ -105,6 +106,8 @@ def draw_case(seed: int) -> SweepCase:
     interleave_seed = r.randrange(2**31) if r.random() < 0.5 else None
     # Drawn last, so every earlier draw of a seed is what it was before this knob.
     knobs["PER_ROW_MAX"] = r.choice([0, 1, 8, 1000])
+    # Drawn after that for the same reason: half the seeds reshaped as RL rollouts.
+    rollout = r.choice([None, None, *ROLLOUTS])
     return SweepCase(
         seed=seed,
         shape=shape,
@@ -112,6 +115,7 @@ def draw_case(seed: int) -> SweepCase:
         pass_num_rejected=pass_num_rejected,
         interleave_seed=interleave_seed,
         knobs=knobs,
+        rollout=rollout,
     )
 
 
@@ -138,7 +142,7 @@ def run_case(case: SweepCase) -> str | None:
     """Run one case; None when it passes, ``VLLM_WRONG`` when only vLLM's worker fails,
     ``SIM_UNFINISHED`` when the simulator could not finish the trace, else what failed
     first."""
-    trace = random_trace(case.seed, **case.shape)
+    trace = random_trace(case.seed, rollout=case.rollout, **case.shape)
     ref = run_trace(
         trace, make_vllm_worker, interleave_seed=case.interleave_seed, catch_errors=True,
         check=False,

@@ -415,10 +415,19 @@ def shared_prefix_trace(seed: int = 0, size: str = "small", **config: object) ->
     return Trace("shared_prefix", seed, ModelSpec(top_k=3, num_experts=32), cfg, tuple(reqs))
 
 
-def random_trace(seed: int, **overrides: object) -> Trace:
+ROLLOUTS = ("agentic", "groups")
+
+
+def random_trace(seed: int, *, rollout: str | None = None, **overrides: object) -> Trace:
     """Everything drawn from the seed: config (async, drafts, chunking, preemption
     pressure, hash/KV block sizes, offload, padding), shared prefixes, multi-turn chains,
-    aborts and resets. ``overrides`` replace drawn EngineConfig fields."""
+    aborts and resets. ``overrides`` replace drawn EngineConfig fields.
+
+    ``rollout`` reshapes the requests as an RL rollout sends them (``_rollout``):
+    ``agentic``, most requests asking only for their new rows; ``groups``, some prompts
+    sampled several times at once. The rest of the trace is the seed's as without it."""
+    if rollout is not None and rollout not in ROLLOUTS:
+        raise ValueError(f"rollout must be one of {ROLLOUTS} or None, got {rollout!r}")
     g = _Gen(seed, 0)
     r = g.rng
     hbs = int(r.choice([2, 4, 8]))
@@ -489,7 +498,50 @@ def random_trace(seed: int, **overrides: object) -> Trace:
     resets = tuple(sorted({int(x) for x in r.integers(5, 60, int(r.choice([0, 0, 1, 2])))}))
     if config.async_kv_load:
         resets = ()  # vLLM refuses a prefix-cache reset while KV loads hold blocks
+    if rollout is not None:
+        reqs = _rollout(rollout, seed, reqs, g.slack)
     return Trace(f"random-{seed}", seed, model, config, tuple(reqs), reset_steps=resets)
+
+
+def _rollout(kind: str, seed: int, reqs: list[RequestSpec], slack: int) -> list[RequestSpec]:
+    """``reqs`` reshaped as an RL rollout sends them, from a generator of its own (the
+    seed's other draws stay as they are).
+
+    ``agentic``: 80 % of requests ask only for the rows they add: half from the prompt's end
+    (``routed_experts_prompt_start = len(prompt)``), half from where their turn's new part
+    starts (after the previous turn's prompt and answer; for a first turn, a random point).
+    ``groups``: up to three prompts that start a conversation are sampled 2-6 times, the
+    samples arriving with the first, each with its own tokens (GRPO's n samples)."""
+    g = _Gen(seed + 1_000_003, slack)
+    r = g.rng
+    by_id = {q.req_id: q for q in reqs}
+    if kind == "agentic":
+        reshaped = []
+        for q in reqs:
+            roll = r.random()
+            if roll < 0.4:
+                start = len(q.prompt)
+            elif roll < 0.8:
+                prev = by_id.get(q.after) if q.after is not None else None
+                start = (
+                    len(prev.prompt) + prev.max_tokens
+                    if prev is not None
+                    else int(r.integers(0, len(q.prompt) + 1))
+                )
+            else:
+                start = 0
+            reshaped.append(dataclasses.replace(q, prompt_start=min(start, len(q.prompt))))
+        return reshaped
+    firsts = [q for q in reqs if q.after is None]
+    chosen = {q.req_id for q in r.permutation(firsts)[: int(r.integers(1, 4))]}
+    grouped = []
+    for q in reqs:
+        grouped.append(q)
+        if q.req_id in chosen:
+            for n in range(int(r.integers(1, 6))):
+                tokens = g.toks(q.max_tokens + slack)
+                grouped.append(dataclasses.replace(q, req_id=f"{q.req_id}s{n}", tokens=tokens))
+    return grouped
 
 
 SCENARIOS: dict[str, Callable[..., Trace]] = {

@@ -26,6 +26,7 @@ from sim import (
     vllm_scheduler,
 )
 from sim.compare import diff_results, tee_factory
+from sim.trace import ROLLOUTS
 
 pytest.importorskip("vllm.distributed.aux_output_connector.worker")
 
@@ -50,11 +51,16 @@ def test_random_trace_schedulers_agree_and_match_oracle(seed, vllm_first):
 
 
 @SETTINGS
-@given(seed=SEEDS, device_rejections=st.booleans(), vector_operations=st.booleans())
-def test_random_trace_workers_byte_identical(seed, device_rejections, vector_operations):
+@given(
+    seed=SEEDS,
+    device_rejections=st.booleans(),
+    vector_operations=st.booleans(),
+    rollout=st.sampled_from([None, *ROLLOUTS]),
+)
+def test_random_trace_workers_byte_identical(seed, device_rejections, vector_operations, rollout):
     # These traces' steps are small: the per-request loops (the small-step commit,
     # publication) take most of them unless the vector operations are forced.
-    trace = random_trace(seed)
+    trace = random_trace(seed, rollout=rollout)
     ref = run_trace(trace, make_vllm_worker, catch_errors=True, check=False)
     factory = r3capture_worker_factory(kernel_impl="reference", pass_num_rejected=device_rejections)
     limits = (

@@ -10,6 +10,7 @@ import pytest
 from r3capture.aux_output import request_book, sizing, small_step
 from r3capture.aux_output.types import AuxRequestOutput
 from sim.sweep import VLLM_WRONG, draw_case, main, patched_knobs, run_case
+from sim.trace import ROLLOUTS, random_trace
 
 pytest.importorskip("vllm.distributed.aux_output_connector.worker")
 
@@ -105,3 +106,27 @@ def test_only_the_simulators_step_limit_counts_as_an_unfinished_trace():
     assert not _unfinished(result("engine", RuntimeError("KV prefix-cache reset refused")))
     assert not _unfinished(result("process_output", RuntimeError("did not finish")))
     assert not _unfinished(SimpleNamespace(error=None))
+
+
+def test_rollout_shapes_change_only_the_requests():
+    """A seed reshaped as an RL rollout keeps its config, model and resets; ``agentic``
+    makes most requests ask only for their new rows, ``groups`` samples some first turns
+    several times, each sample with its own tokens; both are drawn for some seeds."""
+    plain, agentic, groups = (random_trace(11, rollout=k) for k in (None, *ROLLOUTS))
+    for reshaped in (agentic, groups):
+        assert (reshaped.config, reshaped.model, reshaped.reset_steps) == (
+            plain.config, plain.model, plain.reset_steps
+        )  # fmt: skip
+    asked = [q.prompt_start for q in agentic.requests]
+    assert [q.prompt for q in agentic.requests] == [q.prompt for q in plain.requests]
+    assert sum(0 < start for start in asked) >= len(asked) // 2
+    copies = [q for q in groups.requests if q.req_id not in {p.req_id for p in plain.requests}]
+    assert copies and all(c.after is None for c in copies)
+    for copy in copies:
+        original = next(q for q in plain.requests if copy.req_id.startswith(q.req_id + "s"))
+        assert (copy.prompt, copy.arrival_step) == (original.prompt, original.arrival_step)
+        assert copy.tokens != original.tokens
+    drawn = {draw_case(seed).rollout for seed in range(200)}
+    assert drawn == {None, *ROLLOUTS}
+    with pytest.raises(ValueError, match="rollout must be one of"):
+        random_trace(0, rollout="chat")
