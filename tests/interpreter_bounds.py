@@ -4,10 +4,10 @@ On a GPU, a load or store outside the tensors a kernel was given is an illegal m
 (or silent corruption); under the interpreter it reads or writes whatever host memory lies
 there, and no test notices. While ``checked_memory_accesses()`` is active, every launch
 records the byte extent of each tensor argument as given (the view, not its whole storage),
-and every lane of a ``tl.load`` or ``tl.store`` whose mask is on must fall inside one of
-them, or the launch raises ``OutOfBoundsAccess`` naming the address and the extents (the
-interpreter re-raises it as an ``InterpreterError`` that quotes it). Atomics and block
-pointers are not checked: r3capture's kernel uses neither.
+and every lane of a ``tl.load``, ``tl.store`` or atomic read-modify-write whose mask is on
+must fall inside one of them, or the launch raises ``OutOfBoundsAccess`` naming the address
+and the extents (the interpreter re-raises it as an ``InterpreterError`` that quotes it).
+Compare-and-swap and block pointers are not checked: r3capture's kernel uses neither.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from triton.runtime import interpreter
 
 
 class OutOfBoundsAccess(AssertionError):
-    """An interpreted load or store outside every tensor argument of its launch."""
+    """An interpreted load, store or atomic outside every tensor argument of its launch."""
 
 
 def tensor_extent(t: torch.Tensor) -> tuple[int, int] | None:
@@ -83,6 +83,7 @@ def checked_memory_accesses() -> Iterator[None]:
     builder = interpreter.InterpreterBuilder
     executor = interpreter.GridExecutor
     saved = builder.create_masked_load, builder.create_masked_store, executor._init_args_hst
+    saved_atomic = builder.create_atomic_rmw
 
     def init_args(self, args_dev, kwargs):
         args_hst, kwargs_hst = saved[2](self, args_dev, kwargs)
@@ -97,9 +98,15 @@ def checked_memory_accesses() -> Iterator[None]:
         extents.check("a store", ptrs, mask)
         return saved[1](self, ptrs, value, mask, *rest)
 
+    def atomic_rmw(self, op, ptrs, value, mask, *rest):
+        extents.check("an atomic", ptrs, mask)
+        return saved_atomic(self, op, ptrs, value, mask, *rest)
+
     builder.create_masked_load, builder.create_masked_store = load, store
+    builder.create_atomic_rmw = atomic_rmw
     executor._init_args_hst = init_args
     try:
         yield
     finally:
         builder.create_masked_load, builder.create_masked_store, executor._init_args_hst = saved
+        builder.create_atomic_rmw = saved_atomic

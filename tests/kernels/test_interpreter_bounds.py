@@ -46,6 +46,20 @@ def test_one_element_past_a_view_is_refused_even_inside_its_storage(shift: str) 
     assert storage[8:13].tolist() == [8, 9, 10, 11, 12]
 
 
+@triton.jit
+def _count(counter_ptr, shift):
+    tl.atomic_add(counter_ptr + shift, 1, sem="acq_rel")
+
+
+def test_an_atomic_past_a_view_is_refused_even_inside_its_storage() -> None:
+    storage = torch.zeros(4, dtype=torch.int64)
+    _count[(3,)](storage[:2], 1)
+    assert storage.tolist() == [0, 3, 0, 0]
+    with pytest.raises(InterpreterError, match="OutOfBoundsAccess.*an atomic of 8 bytes"):
+        _count[(1,)](storage[:2], 2)
+    assert storage.tolist() == [0, 3, 0, 0]
+
+
 def test_extent_of_strided_and_empty_views() -> None:
     base = torch.zeros(4, 6, dtype=torch.int16)
     ptr = base.data_ptr()
