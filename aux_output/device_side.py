@@ -15,10 +15,10 @@ no upload):
    rows are copied back into pinned host buffers. Either way one buffer per step in flight.
 
 The kernel's state lives on the device for the worker's life: per request index a ring of
-block-tagged slots and two records, the queue's two heads; the queue itself is in pinned
-host memory, written by the host (``SlotQueue``). The same operations run on a CPU device
-(there the "device" tensors are host tensors), so the data flow the tests check is the one
-a GPU runs.
+block-tagged slots and two records, the queue's two heads and the last launch's serial; the
+queue itself is in pinned host memory, written by the host (``SlotQueue``). The same
+operations run on a CPU device (there the "device" tensors are host tensors), so the data
+flow the tests check is the one a GPU runs.
 """
 
 from __future__ import annotations
@@ -31,7 +31,12 @@ import torch
 from r3capture.aux_output.errors import require
 from r3capture.aux_output.sizing import row_nbytes
 from r3capture.kernels import GatherAllocLaunch, can_write_host_directly
-from r3capture.kernels._alloc_checks import AllocShape, AllocStatic, check_alloc_step_args
+from r3capture.kernels._alloc_checks import (
+    HEADS_LEN,
+    AllocShape,
+    AllocStatic,
+    check_alloc_step_args,
+)
 
 TORCH_DTYPES = {np.dtype(np.uint8): torch.uint8, np.dtype(np.uint16): torch.uint16}
 
@@ -117,7 +122,7 @@ class DeviceSide:
             )
         self._ring = torch.full((max_num_seqs, ring_width), -1, dtype=torch.int64, device=device)
         self._records = torch.zeros((max_num_seqs, 2), dtype=torch.int64, device=device)
-        self._heads = torch.zeros(2, dtype=torch.int64, device=device)
+        self._heads = torch.zeros(HEADS_LEN, dtype=torch.int64, device=device)
         self._queue = torch.full((queue_size,), -1, dtype=torch.int32, pin_memory=on_cuda)
         self.queue_np = self._queue.numpy()
         self._fresh = [

@@ -7,9 +7,10 @@ each adds on the device:
 
 * r3capture: the buffers ``DeviceSide`` keeps on the device for the kernel that takes its
   slots itself: per request index a ring of slots ``[max_num_seqs, D]`` int64 and two
-  records ``[max_num_seqs, 2]`` int64, and the queue's two heads ``[2]`` int64 (direct
-  writes keep ``step_info`` in pinned host memory, and the free-slot queue is pinned host
-  memory too, int32 ``[queue_stock + blocks_per_step]``: reported apart, as
+  records ``[max_num_seqs, 2]`` int64, and ``heads [4]`` int64 (the queue's two heads,
+  the last launch's serial and a count of finished programs; direct writes keep
+  ``step_info`` in pinned host memory, and the free-slot queue is pinned host memory too,
+  int32 ``[queue_stock + blocks_per_step]``: reported apart, as
   ``r3capture_queue_host_bytes``), read from a worker built on the CPU with the sizing
   ``vllm serve`` would give it (``DeviceSide.device_bytes``; the same tensors a GPU worker
   allocates, for any model: none depends on ``L``, ``K`` or the dtype);

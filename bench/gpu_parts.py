@@ -238,7 +238,7 @@ def _launch_ops(capture: Any) -> dict[str, Callable[[], Any]]:
     _, depth_width = ring_widths(capture.shape[0], block, 2)
     ring = torch.full((reqs, depth_width), -1, dtype=torch.int64, device=dev)
     records = torch.zeros((reqs, 2), dtype=torch.int64, device=dev)
-    heads = torch.zeros(2, dtype=torch.int64, device=dev)
+    heads = torch.zeros(4, dtype=torch.int64, device=dev)
     queue = torch.arange(4096, dtype=torch.int32).pin_memory()
     arena = torch.zeros((2 * reqs, block, *capture.shape[1:]), dtype=torch.uint8, pin_memory=True)
     info = torch.zeros((reqs, 4), dtype=torch.int32, pin_memory=True)
@@ -250,8 +250,9 @@ def _launch_ops(capture: Any) -> dict[str, Callable[[], Any]]:
     def check() -> Any:
         return launch.check_step(qsl, positions, index, launch=1, queue_tail=0, num_rows=reqs)
 
-    # An empty queue (tail 0): every request fails closed (NO_STOCK), so the repeated
-    # launches leave the ring, records, heads and arena as they are.
+    # An empty queue (tail 0): every request of launch 1 fails closed (NO_STOCK), and the
+    # repeated launches, which reuse its serial, fail closed too (BAD_LAUNCH), so they leave
+    # the ring, records, queue heads and arena as they are.
     shape = check()
     launch.launch_checked(shape, qsl, positions, index, None, None)  # compiles or loads it
     torch.cuda.synchronize()

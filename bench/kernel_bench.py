@@ -26,7 +26,7 @@ wall time until the host may read the rows, ``vllm-cast-launch`` for host time).
 
 The r3capture providers launch as the worker does (``aux_output/device_side.py``): each
 through a ``GatherAllocLaunch`` built once over its own device state (a ring of block-tagged
-slots ``[max_num_seqs, D]`` and two records per request index, the queue's two heads) and
+slots ``[max_num_seqs, D]`` and two records per request index, the queue's heads) and
 the free-slot queue in pinned host memory; each call checks the batch's device inputs
 (``query_start_loc``, ``positions``, ``idx_mapping``, ``num_rejected``) and launches with a
 new serial and the queue's tail. Every request of a timed step is new to its index (its
@@ -213,7 +213,7 @@ class Step:
             ),  # fmt: skip
             "records": torch.zeros((self.num_indices, 2), dtype=torch.int64, device=device),
             "queue": self._host_side(self.queue_slots),
-            "heads": torch.zeros(2, dtype=torch.int64, device=device),
+            "heads": torch.zeros(4, dtype=torch.int64, device=device),
             "fresh": self._host_side(torch.ones(len(self.reqs), dtype=torch.uint8)),
         }
 
@@ -408,8 +408,9 @@ def gate(step: Step) -> str | None:
         problems.extend(compare(expected, {name: outputs}))
 
     host_inputs = {k: v.cpu() for k, v in step.inputs.items() if v is not None}
-    host_state = {k: v.cpu() for k, v in step.new_state().items()}
     for what, name in (("slots", "reference"), ("rows", "reference staging")):
+        # A new state each: a second launch 1 on the same one is refused (BAD_LAUNCH).
+        host_state = {k: v.cpu() for k, v in step.new_state().items()}
         dest, info = step.new_output(what, "cpu"), step.new_output("info", "cpu")
         gather_alloc_reference(**step.alloc_args(dest, info, **host_inputs, **host_state))
         check(name, {what: dest, "info": info})

@@ -74,7 +74,7 @@ def make_launch(model, *, pass_rejected: bool):
             torch.full((MAX_NUM_SEQS, RING_WIDTH), -1, dtype=torch.int64),
             torch.zeros((MAX_NUM_SEQS, 2), dtype=torch.int64),
             torch.zeros(QUEUE_SIZE, dtype=torch.int32),
-            torch.zeros(2, dtype=torch.int64),
+            torch.zeros(4, dtype=torch.int64),
             dest,
             torch.zeros((MAX_NUM_SEQS, 4), dtype=torch.int32),
             impl="triton",

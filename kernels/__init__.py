@@ -10,6 +10,7 @@ each new block's slot on the device from a queue the host refills (``docs/device
 from r3capture.kernels._common import (
     STATUS_BAD_BLOCK,
     STATUS_BAD_INDEX,
+    STATUS_BAD_LAUNCH,
     STATUS_BAD_REJECTED,
     STATUS_BAD_ROWS,
     STATUS_NO_STOCK,
@@ -26,6 +27,7 @@ __all__ = [
     "KernelArgumentError",
     "STATUS_BAD_BLOCK",
     "STATUS_BAD_INDEX",
+    "STATUS_BAD_LAUNCH",
     "STATUS_BAD_REJECTED",
     "STATUS_BAD_ROWS",
     "STATUS_NO_STOCK",

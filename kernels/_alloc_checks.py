@@ -26,6 +26,11 @@ from r3capture.kernels._common import (
 RECORD_HI_BITS = 24
 BLOCK_LIMIT = (1 << RECORD_HI_BITS) - 2  # hash blocks 0 .. BLOCK_LIMIT - 1 have slots
 LAUNCH_LIMIT = 1 << (63 - RECORD_HI_BITS)
+# heads [HEADS_LEN] int64: the queue head of even and of odd launches, the serial of the last
+# launch, and the programs of the running launch that have finished (0 between launches).
+HEADS_LEN = 4
+HEAD_SERIAL = 2
+HEAD_DONE = 3
 # Per-request flags (nonzero: the request's index is new to it this launch).
 FRESH_DTYPES = (torch.bool, torch.uint8, torch.int32)
 
@@ -115,8 +120,10 @@ def check_alloc_static_args(
         raise _fail("queue", "non-empty", queue)
     _dense("queue", queue)
     heads = _tensor("heads", heads, 1, (torch.int64,))
-    if heads.shape[0] != 2:
-        raise _fail("heads", "[2]", heads)
+    if heads.shape[0] != HEADS_LEN:
+        raise _fail(
+            "heads", f"[{HEADS_LEN}] (two queue heads, the last serial, a program count)", heads
+        )
     _dense("heads", heads)
     step_info = _tensor("step_info", step_info, 2, (torch.int32,))
     if step_info.shape[1] != 4:

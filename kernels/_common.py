@@ -26,6 +26,7 @@ class Status(enum.IntEnum):
     BAD_ROWS = 3  # query_start_loc starts < 0 or decreases anywhere, or r's rows pass num_rows
     BAD_INDEX = 4  # request_index[r] outside [0, N)
     NO_STOCK = 5  # the free-slot queue cannot cover r's new blocks
+    BAD_LAUNCH = 6  # the launch serial is not the last launch's + 1: every request fails
 
 
 STATUS_OK = int(Status.OK)
@@ -34,6 +35,7 @@ STATUS_BAD_BLOCK = int(Status.BAD_BLOCK)
 STATUS_BAD_ROWS = int(Status.BAD_ROWS)
 STATUS_BAD_INDEX = int(Status.BAD_INDEX)
 STATUS_NO_STOCK = int(Status.NO_STOCK)
+STATUS_BAD_LAUNCH = int(Status.BAD_LAUNCH)
 
 CAPTURE_DTYPES = (torch.int32, torch.uint8, torch.uint16)
 DEST_DTYPES = (torch.uint8, torch.uint16)

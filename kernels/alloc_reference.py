@@ -13,6 +13,7 @@ import torch
 
 from r3capture.kernels._alloc_checks import (
     BLOCK_LIMIT,
+    HEAD_SERIAL,
     RECORD_HI_BITS,
     AllocShape,
     AllocStatic,
@@ -22,6 +23,7 @@ from r3capture.kernels._alloc_checks import (
 from r3capture.kernels._common import (
     STATUS_BAD_BLOCK,
     STATUS_BAD_INDEX,
+    STATUS_BAD_LAUNCH,
     STATUS_BAD_REJECTED,
     STATUS_BAD_ROWS,
     STATUS_NO_STOCK,
@@ -85,6 +87,11 @@ def gather_alloc_reference_checked(args: dict, static: AllocStatic, shape: Alloc
     launch = shape.launch
     ring, records, queue, heads = args["ring"], args["records"], args["queue"], args["heads"]
     capture, dest = args["capture"], args["dest"]
+    if int(heads[HEAD_SERIAL]) != launch - 1:
+        # Not the launch after the last: every request fails, nothing else changes.
+        info = torch.tensor([[-1, -1, STATUS_BAD_LAUNCH, 0]] * R, dtype=torch.int32)
+        args["step_info"][:R] = info.to(args["step_info"].device)
+        return
 
     def host(t: torch.Tensor | None, n: int) -> torch.Tensor:
         if t is None:
@@ -187,5 +194,6 @@ def gather_alloc_reference_checked(args: dict, static: AllocStatic, shape: Alloc
         value[write_record].to(records.device)
     )
     heads[(launch + 1) % 2] = head + int(taken.sum())
+    heads[HEAD_SERIAL] = launch
     info = torch.stack([start, torch.where(ok, accepted, -1), status, taken], dim=1)
     args["step_info"][:R] = info.to(torch.int32).to(args["step_info"].device)

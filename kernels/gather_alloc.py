@@ -21,8 +21,15 @@ Runner V2's persistent ``input_batch.idx_mapping``):
   whatever order they run in. A fresh request (``fresh[r]`` nonzero: its index was held by
   another request before) has ``hi = -1`` and always writes its record.
 * ``queue [Q]`` int32: free slots the host put there (entries ``head .. queue_tail - 1``,
-  modulo ``Q``); ``heads [2]`` int64: launch ``n`` reads its head at ``heads[n % 2]`` and
-  program 0 writes the next at ``heads[(n + 1) % 2]``.
+  modulo ``Q``); ``heads [4]`` int64: launch ``n`` reads its head at ``heads[n % 2]`` and
+  program 0 writes the next at ``heads[(n + 1) % 2]``; ``heads[2]`` is the serial of the
+  last launch, which the program that finishes last writes (``heads[3]`` counts them).
+
+A launch is a call with at least one request (``num_reqs >= 1``; a call with none launches
+nothing and takes no serial); its serial must be the last launch's + 1, starting at 1. Any
+other serial would read a stale head (a slot two indices share) or stale records: such a
+launch fails every request with ``BAD_LAUNCH``, and every later one fails too until the
+serial is the last launch's + 1 again.
 
 Request ``r`` (start ``s = positions[qsl[r]]``, ``a`` accepted rows) covers blocks
 ``first = s // B .. last = (s + a - 1) // B``; blocks above ``hi`` are new and take queue
@@ -40,7 +47,7 @@ within a step, and the queue entries ``head .. queue_tail - 1`` name distinct fr
 
 Work split: one 1-D grid of max(cdiv(num_rows bound, BLOCK_ROWS), cdiv(R, BLOCK_REQS))
 programs (host-known bounds; rows past ``query_start_loc[R]`` are masked); every program
-does two independent jobs:
+does two independent jobs, then counts itself done:
   * request tile ``pid``: validates ``BLOCK_REQS`` requests, writes their ``step_info`` row,
     their new ring entries and their records (program 0 also the next head);
   * row tile ``pid``: ``BLOCK_ROWS`` consecutive capture rows, each mapped to its request by
@@ -65,6 +72,8 @@ import triton.language as tl
 
 from r3capture.kernels._alloc_checks import (
     BLOCK_LIMIT,
+    HEAD_DONE,
+    HEAD_SERIAL,
     RECORD_HI_BITS,
     AllocShape,
     AllocStatic,
@@ -74,6 +83,7 @@ from r3capture.kernels._alloc_checks import (
 from r3capture.kernels._common import (
     STATUS_BAD_BLOCK,
     STATUS_BAD_INDEX,
+    STATUS_BAD_LAUNCH,
     STATUS_BAD_REJECTED,
     STATUS_BAD_ROWS,
     STATUS_NO_STOCK,
@@ -94,6 +104,9 @@ _BAD_BLOCK = tl.constexpr(STATUS_BAD_BLOCK)
 _BAD_ROWS = tl.constexpr(STATUS_BAD_ROWS)
 _BAD_INDEX = tl.constexpr(STATUS_BAD_INDEX)
 _NO_STOCK = tl.constexpr(STATUS_NO_STOCK)
+_BAD_LAUNCH = tl.constexpr(STATUS_BAD_LAUNCH)
+_HEAD_SERIAL = tl.constexpr(HEAD_SERIAL)
+_HEAD_DONE = tl.constexpr(HEAD_DONE)
 _HI_BITS = tl.constexpr(RECORD_HI_BITS)
 _HI_MASK = tl.constexpr((1 << RECORD_HI_BITS) - 1)
 _BLOCK_LIMIT = tl.constexpr(BLOCK_LIMIT)
@@ -281,6 +294,91 @@ def _any_bad_slot(
     return bad
 
 
+@triton.jit
+def _request_tile(
+    o_r,
+    m_r,
+    p_info,
+    qsl_ptr,
+    pos_ptr,
+    idx_ptr,
+    rejected_ptr,
+    fresh_ptr,
+    ring_ptr,
+    record_ptr,
+    queue_ptr,
+    heads_ptr,
+    qsl_sane,
+    num_reqs,
+    available,
+    head,
+    row_limit,
+    num_slots,
+    num_indices,
+    ring_width,
+    queue_size,
+    launch,
+    stride_ring,
+    writes_head,
+    HAS_REJECTED: tl.constexpr,
+    HAS_FRESH: tl.constexpr,
+    HASH_BLOCK: tl.constexpr,
+    SCAN: tl.constexpr,
+    CHUNK: tl.constexpr,
+):
+    """Requests ``o_r`` of a launch with a good serial: their ``step_info`` rows (at
+    ``p_info``), ring entries and records, and (``writes_head``) the next queue head."""
+    (
+        _, _, start, accepted, idx, idx_ok, fresh, hi, overwrite, needs, first, last,
+        new_first, new, bad_rows, bad_rejected, bad_index, bad_range,
+    ) = _request_plan(
+        o_r, m_r, qsl_ptr, pos_ptr, idx_ptr, rejected_ptr, fresh_ptr, record_ptr, qsl_sane,
+        row_limit, num_indices, ring_width, launch, HAS_REJECTED, HAS_FRESH, HASH_BLOCK,
+    )  # fmt: skip
+    off, taken = _queue_offsets(
+        o_r, num_reqs, available, qsl_ptr, pos_ptr, idx_ptr, rejected_ptr, fresh_ptr,
+        record_ptr, qsl_sane, row_limit, num_indices, ring_width, launch, HAS_REJECTED,
+        HAS_FRESH, HASH_BLOCK, CHUNK,
+    )  # fmt: skip
+    no_stock = (new > 0) & (off + new > available)
+    bad_slot = _any_bad_slot(
+        idx, first, last, new_first, off, head, needs & ~bad_range & ~no_stock, ring_ptr,
+        queue_ptr, stride_ring, ring_width, queue_size, num_slots, SCAN,
+    )  # fmt: skip
+    status = tl.where(
+        bad_rows, _BAD_ROWS,
+        tl.where(bad_rejected, _BAD_REJECTED,
+        tl.where(bad_index, _BAD_INDEX,
+        tl.where(bad_range, _BAD_BLOCK,
+        tl.where(no_stock, _NO_STOCK,
+        tl.where(bad_slot, _BAD_BLOCK, _OK))))),
+    )  # fmt: skip
+    ok = m_r & (status == _OK)
+    tl.store(p_info, start.to(tl.int32), mask=m_r)
+    tl.store(p_info + 1, tl.where(ok, accepted, -1).to(tl.int32), mask=m_r)
+    tl.store(p_info + 2, status.to(tl.int32), mask=m_r)
+    tl.store(p_info + 3, tl.where(no_stock, 0, new).to(tl.int32), mask=m_r)
+
+    num_new = tl.where(ok, new, 0)
+    max_new = tl.max(num_new, axis=0)
+    c0 = max_new * 0
+    while c0 < max_new:
+        o_c = c0 + tl.arange(0, SCAN)
+        m_c = o_c[None, :] < num_new[:, None]  # [BLOCK_REQS, SCAN]
+        where = (head + off[:, None] + o_c[None, :]) % queue_size
+        slot = tl.load(queue_ptr + where, mask=m_c, other=0).to(tl.int64)
+        block = new_first[:, None] + o_c[None, :]
+        p_ring = ring_ptr + idx[:, None] * stride_ring + block % ring_width
+        tl.store(p_ring, (block << 32) | slot, mask=m_c)
+        c0 += SCAN
+    grown = ok & (new > 0)
+    write_record = m_r & idx_ok & (grown | fresh)
+    record = (launch << _HI_BITS) | (tl.where(grown, last, hi) + 1)
+    tl.store(record_ptr + idx * 2 + overwrite, record, mask=write_record)
+    if writes_head:
+        tl.store(heads_ptr + (launch + 1) % 2, head + taken)
+
+
 @triton.jit(
     do_not_specialize=[
         "num_reqs", "row_limit", "num_slots", "num_indices", "ring_width", "queue_size",
@@ -329,8 +427,11 @@ def _gather_alloc_kernel(
     CHUNK: tl.constexpr,
 ):
     i_p = tl.program_id(0).to(tl.int64)
-    qsl_sane = _qsl_is_sane(qsl_ptr, num_reqs, SCAN)
     launch = launch.to(tl.int64)
+    # A launch with any serial but the last launch's + 1 would read a stale head and stale
+    # records: it fails every request and changes nothing but step_info.
+    launch_ok = tl.load(heads_ptr + _HEAD_SERIAL) == launch - 1
+    qsl_sane = _qsl_is_sane(qsl_ptr, num_reqs, SCAN)
     head = tl.load(heads_ptr + launch % 2)
     available = queue_tail.to(tl.int64) - head
 
@@ -338,61 +439,24 @@ def _gather_alloc_kernel(
     if i_p * BLOCK_REQS < num_reqs:
         o_r = i_p * BLOCK_REQS + tl.arange(0, BLOCK_REQS)
         m_r = o_r < num_reqs
-        (
-            _, _, start, accepted, idx, idx_ok, fresh, hi, overwrite, needs, first, last,
-            new_first, new, bad_rows, bad_rejected, bad_index, bad_range,
-        ) = _request_plan(
-            o_r, m_r, qsl_ptr, pos_ptr, idx_ptr, rejected_ptr, fresh_ptr, record_ptr, qsl_sane,
-            row_limit, num_indices, ring_width, launch, HAS_REJECTED, HAS_FRESH, HASH_BLOCK,
-        )  # fmt: skip
-        off, taken = _queue_offsets(
-            o_r, num_reqs, available, qsl_ptr, pos_ptr, idx_ptr, rejected_ptr, fresh_ptr,
-            record_ptr, qsl_sane, row_limit, num_indices, ring_width, launch, HAS_REJECTED,
-            HAS_FRESH, HASH_BLOCK, CHUNK,
-        )  # fmt: skip
-        no_stock = (new > 0) & (off + new > available)
-        bad_slot = _any_bad_slot(
-            idx, first, last, new_first, off, head, needs & ~bad_range & ~no_stock, ring_ptr,
-            queue_ptr, stride_ring, ring_width, queue_size, num_slots, SCAN,
-        )  # fmt: skip
-        status = tl.where(
-            bad_rows, _BAD_ROWS,
-            tl.where(bad_rejected, _BAD_REJECTED,
-            tl.where(bad_index, _BAD_INDEX,
-            tl.where(bad_range, _BAD_BLOCK,
-            tl.where(no_stock, _NO_STOCK,
-            tl.where(bad_slot, _BAD_BLOCK, _OK))))),
-        )  # fmt: skip
-        ok = m_r & (status == _OK)
         p_info = info_ptr + o_r * stride_info
-        tl.store(p_info, start.to(tl.int32), mask=m_r)
-        tl.store(p_info + 1, tl.where(ok, accepted, -1).to(tl.int32), mask=m_r)
-        tl.store(p_info + 2, status.to(tl.int32), mask=m_r)
-        tl.store(p_info + 3, tl.where(no_stock, 0, new).to(tl.int32), mask=m_r)
-
-        num_new = tl.where(ok, new, 0)
-        max_new = tl.max(num_new, axis=0)
-        c0 = max_new * 0
-        while c0 < max_new:
-            o_c = c0 + tl.arange(0, SCAN)
-            m_c = o_c[None, :] < num_new[:, None]  # [BLOCK_REQS, SCAN]
-            where = (head + off[:, None] + o_c[None, :]) % queue_size
-            slot = tl.load(queue_ptr + where, mask=m_c, other=0).to(tl.int64)
-            block = new_first[:, None] + o_c[None, :]
-            p_ring = ring_ptr + idx[:, None] * stride_ring + block % ring_width
-            tl.store(p_ring, (block << 32) | slot, mask=m_c)
-            c0 += SCAN
-        grown = ok & (new > 0)
-        write_record = m_r & idx_ok & (grown | fresh)
-        record = (launch << _HI_BITS) | (tl.where(grown, last, hi) + 1)
-        tl.store(record_ptr + idx * 2 + overwrite, record, mask=write_record)
-        if i_p == 0:
-            tl.store(heads_ptr + (launch + 1) % 2, head + taken)
+        if launch_ok:
+            _request_tile(
+                o_r, m_r, p_info, qsl_ptr, pos_ptr, idx_ptr, rejected_ptr, fresh_ptr, ring_ptr,
+                record_ptr, queue_ptr, heads_ptr, qsl_sane, num_reqs, available, head,
+                row_limit, num_slots, num_indices, ring_width, queue_size, launch, stride_ring,
+                i_p == 0, HAS_REJECTED, HAS_FRESH, HASH_BLOCK, SCAN, CHUNK,
+            )  # fmt: skip
+        else:
+            tl.store(p_info, -1, mask=m_r)
+            tl.store(p_info + 1, -1, mask=m_r)
+            tl.store(p_info + 2, _BAD_LAUNCH, mask=m_r)
+            tl.store(p_info + 3, 0, mask=m_r)
 
     # Job 2: capture rows [i_p * BLOCK_ROWS, ...) of the step.
     num_rows = tl.minimum(tl.load(qsl_ptr + num_reqs).to(tl.int64), row_limit)
     row_start = i_p * BLOCK_ROWS
-    if qsl_sane & (row_start < num_rows):
+    if launch_ok & qsl_sane & (row_start < num_rows):
         o_t = row_start + tl.arange(0, BLOCK_ROWS)
         m_t = o_t < num_rows
         lo = tl.zeros([BLOCK_ROWS], dtype=tl.int64)
@@ -457,6 +521,14 @@ def _gather_alloc_kernel(
         p_dst = dest_ptr + dst_row[:, None] + o_e[None, :]
         tl.store(p_dst, b_rows.to(dest_ptr.dtype.element_ty), mask=m_tile)
 
+    # The serial is recorded once no program can still read the last one: by the program
+    # that finishes last (its count, taken after every thread of it is past its reads).
+    tl.debug_barrier()
+    done = tl.atomic_add(heads_ptr + _HEAD_DONE, 1, sem="acq_rel")
+    if done == tl.num_programs(0) - 1:
+        tl.store(heads_ptr + _HEAD_DONE, 0)
+        tl.store(heads_ptr + _HEAD_SERIAL, launch, mask=launch_ok)
+
 
 def _check_triton_place(capture: torch.Tensor, host_side: dict[str, torch.Tensor]) -> None:
     """The Triton kernel runs on a CUDA capture, or under the interpreter; on a GPU, the
@@ -488,7 +560,7 @@ _INT32_MAX = 2**31 - 1
 class GatherAllocLaunch:
     """``gather_alloc`` with its step-independent arguments validated once (see the module
     docstring for the state): ``capture [T, L, K]``, ``ring [N, D]`` and ``records [N, 2]``
-    int64 and ``heads [2]`` int64 on the capture's device, ``queue [Q]`` int32 there or in
+    int64 and ``heads [4]`` int64 on the capture's device, ``queue [Q]`` int32 there or in
     pinned host memory, ``dest`` (``[S, B, L, K]`` slots or ``[rows, L, K]`` staging, on the
     capture's device or in pinned host memory) and ``step_info [>= R, 4]`` int32 (on the
     capture's device or in pinned host memory).
@@ -734,7 +806,8 @@ def gather_alloc(
             ``input_batch.positions``); request r's rows sit at ``positions[qsl[r]] + i``.
         request_index: [>= R] int32/int64 on the device, the request's row of
             ``ring``/``records`` (MRV2's ``input_batch.idx_mapping``).
-        ring, records, queue, heads: the state (module docstring).
+        ring, records, queue, heads: the state (module docstring); a new state is ``ring``
+            all -1 and ``records`` and ``heads [4]`` all 0.
         dest: ``[S, B, L, K]`` uint8/uint16 slots (the row of position p goes to
             ``dest[slot, p % B]``) or ``[>= num_rows, L, K]`` device staging (row t goes to
             ``dest[t]``); on capture's device, or pinned host memory when
@@ -744,8 +817,10 @@ def gather_alloc(
         num_rejected: [>= R] int32/int64 (rejected speculative rows at the end of each
             request's range), or None when nothing is rejected.
         fresh: [>= R] bool/uint8/int32 or None (nonzero: the request's index is new to it).
-        launch: this launch's serial: 1, 2, ..., strictly increasing over the launches that
-            share the state.
+        launch: this launch's serial: the last launch's + 1 over the launches that share the
+            state, 1 for the first. A call with ``num_reqs = 0`` is no launch and takes no
+            serial. Any other serial fails every request with BAD_LAUNCH and changes
+            nothing but ``step_info``.
         queue_tail: entries ever put in the queue.
         num_reqs: R (default ``len(query_start_loc) - 1``).
         num_rows: bound on the step's row count (default T); sizes the grid. Requests whose

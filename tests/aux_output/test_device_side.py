@@ -364,7 +364,7 @@ def test_device_bytes_counts_ring_records_heads_and_staging(destination, depth, 
 
     ring = NUM_SEQS * RING_WIDTH * 8
     records = NUM_SEQS * 2 * 8
-    heads = 2 * 8
+    heads = 4 * 8
     expected = ring + records + heads
     if destination == "staging":
         # Per step in flight: its staging rows and its step_info (direct writes both on

@@ -16,10 +16,10 @@ def test_device_bytes_are_the_ring_records_and_heads() -> None:
     width, device_width = ring_widths(dm.MAX_NUM_BATCHED_TOKENS, dm.HASH_BLOCK, dm.DEPTH)
     assert device_width < width  # the device keeps one step's blocks, the host all unbound
     # Per request index (MRV2's, below max_num_seqs) an int64 ring and two int64 records;
-    # the queue's two int64 heads.
+    # heads: the queue's two heads, the last launch's serial, a count of finished programs.
     ring = seqs * device_width * 8
     records = seqs * 2 * 8
-    heads = 2 * 8
+    heads = 4 * 8
     got, queue = dm.r3capture_bytes(KIMI_K2, seqs)
     # step_info and the free-slot queue are not among them: pinned host memory.
     assert got == dm.r3capture_device_bytes(KIMI_K2, seqs) == ring + records + heads

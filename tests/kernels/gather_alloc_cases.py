@@ -21,7 +21,7 @@ import torch
 
 from bench.models import ModelShape as Model
 from r3capture.kernels import GatherAllocLaunch, Status
-from r3capture.kernels._alloc_checks import BLOCK_LIMIT, RECORD_HI_BITS
+from r3capture.kernels._alloc_checks import BLOCK_LIMIT, HEAD_SERIAL, RECORD_HI_BITS
 
 DEST_SENTINEL = {torch.uint8: 0xA5, torch.uint16: 0xA5A5}
 INFO_SENTINEL = -99
@@ -159,7 +159,7 @@ def build(case: Case, seed: int = 0, device: str | torch.device = "cpu") -> dict
     for k in range(stock):
         queue[(case.head + k) % queue_size] = order[taken]
         taken += 1
-    heads = torch.tensor([-1, -1], dtype=torch.int64)
+    heads = torch.tensor([-1, -1, LAUNCH - 1, 0], dtype=torch.int64)
     heads[LAUNCH % 2] = case.head
 
     pad = case.pad_reqs
@@ -221,6 +221,9 @@ def plain_launch(args: dict, block: int, num_slots: int) -> dict[str, torch.Tens
     rows_layout = dest.dim() == 3
     out = {name: args[name] for name in STATE}
     if num_reqs == 0:
+        return out
+    if int(heads[HEAD_SERIAL]) != launch - 1:
+        info[:num_reqs] = torch.tensor([-1, -1, int(Status.BAD_LAUNCH), 0], dtype=torch.int32)
         return out
     sane = qsl[0] >= 0 and all(b >= a for a, b in zip(qsl[:num_reqs], qsl[1 : num_reqs + 1]))
 
@@ -319,6 +322,7 @@ def plain_launch(args: dict, block: int, num_slots: int) -> dict[str, torch.Tens
             top = p["last"] if grown else p["hi"]
             records[p["idx"], p["overwrite"]] = (launch << RECORD_HI_BITS) | (top + 1)
     heads[(launch + 1) % 2] = head + taken
+    heads[HEAD_SERIAL] = launch
     return out
 
 

@@ -92,7 +92,7 @@ def _state(sc: _Scenario, model_shape: tuple[int, int], dtype, rows_layout: bool
         ring=torch.full((sc.num_indices, sc.ring_width), -1, dtype=torch.int64),
         records=torch.zeros((sc.num_indices, 2), dtype=torch.int64),
         queue=torch.full((sc.queue_size,), -1, dtype=torch.int32),
-        heads=torch.zeros(2, dtype=torch.int64),
+        heads=torch.zeros(4, dtype=torch.int64),
         dest=dest,
         step_info=torch.full((16, 4), -99, dtype=torch.int32),
     )
@@ -388,7 +388,7 @@ BAD_CALLS = {
     ),
     "queue-2d": ("queue", lambda a: a["queue"][None], "queue must be 1-D"),
     "queue-strided": ("queue", lambda a: a["queue"].repeat_interleave(2)[::2], "queue must be"),
-    "heads-3": ("heads", lambda a: torch.zeros(3, dtype=torch.int64), "heads must be \\[2\\]"),
+    "heads-2": ("heads", lambda a: torch.zeros(2, dtype=torch.int64), "heads must be \\[4\\]"),
     "info-3-cols": ("step_info", lambda a: a["step_info"][:, :3], "step_info must be \\[R, 4\\]"),
     "index-strided": (
         "request_index",

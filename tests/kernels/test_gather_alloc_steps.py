@@ -94,8 +94,9 @@ def test_failing_request_writes_nothing(case: Case) -> None:
 
 
 def test_statuses_are_the_contract_codes() -> None:
-    assert [int(s) for s in Status] == [0, 1, 2, 3, 4, 5]
-    names = ["OK", "BAD_REJECTED", "BAD_BLOCK", "BAD_ROWS", "BAD_INDEX", "NO_STOCK"]
+    assert [int(s) for s in Status] == [0, 1, 2, 3, 4, 5, 6]
+    names = ["OK", "BAD_REJECTED", "BAD_BLOCK", "BAD_ROWS", "BAD_INDEX", "NO_STOCK",
+             "BAD_LAUNCH"]  # fmt: skip
     assert [s.name for s in Status] == names
 
 
@@ -574,7 +575,7 @@ def test_an_empty_step_info_may_sit_anywhere_but_a_used_one_must_be_writable() -
         ring=on_meta((5, 4)),
         records=on_meta((5, 2)),
         queue=on_meta(8, torch.int32),
-        heads=on_meta(2),
+        heads=on_meta(4),
         dest=on_meta((4, 4, 2, 2), torch.uint8),
         hash_block=None,
         num_slots=None,
