@@ -15,6 +15,7 @@ from r3capture.kernels._common import (
     STATUS_BAD_ROWS,
     STATUS_NO_STOCK,
     STATUS_OK,
+    STATUS_SHARED_INDEX,
     KernelArgumentError,
     Status,
 )
@@ -32,6 +33,7 @@ __all__ = [
     "STATUS_BAD_ROWS",
     "STATUS_NO_STOCK",
     "STATUS_OK",
+    "STATUS_SHARED_INDEX",
     "Status",
     "can_write_host_directly",
     "gather_alloc",

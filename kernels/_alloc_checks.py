@@ -25,6 +25,8 @@ from r3capture.kernels._common import (
 # Records pack (launch serial << RECORD_HI_BITS) | (hi + 1); ring entries (block << 32) | slot.
 RECORD_HI_BITS = 24
 BLOCK_LIMIT = (1 << RECORD_HI_BITS) - 2  # hash blocks 0 .. BLOCK_LIMIT - 1 have slots
+# The hi + 1 of a record no block reaches: the index was shared by two requests of a launch.
+RECORD_SHARED = (1 << RECORD_HI_BITS) - 1
 LAUNCH_LIMIT = 1 << (63 - RECORD_HI_BITS)
 # heads [HEADS_LEN] int64: the queue head of even and of odd launches, the serial of the last
 # launch, and the programs of the running launch that have finished (0 between launches).

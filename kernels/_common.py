@@ -27,6 +27,8 @@ class Status(enum.IntEnum):
     BAD_INDEX = 4  # request_index[r] outside [0, N)
     NO_STOCK = 5  # the free-slot queue cannot cover r's new blocks
     BAD_LAUNCH = 6  # the launch serial is not the last launch's + 1: every request fails
+    SHARED_INDEX = 7  # request_index[r] is another request's of the launch too, or was
+    # shared in an earlier launch and no request new to it (fresh) has held it since
 
 
 STATUS_OK = int(Status.OK)
@@ -36,6 +38,7 @@ STATUS_BAD_ROWS = int(Status.BAD_ROWS)
 STATUS_BAD_INDEX = int(Status.BAD_INDEX)
 STATUS_NO_STOCK = int(Status.NO_STOCK)
 STATUS_BAD_LAUNCH = int(Status.BAD_LAUNCH)
+STATUS_SHARED_INDEX = int(Status.SHARED_INDEX)
 
 CAPTURE_DTYPES = (torch.int32, torch.uint8, torch.uint16)
 DEST_DTYPES = (torch.uint8, torch.uint16)

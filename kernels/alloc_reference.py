@@ -15,6 +15,7 @@ from r3capture.kernels._alloc_checks import (
     BLOCK_LIMIT,
     HEAD_SERIAL,
     RECORD_HI_BITS,
+    RECORD_SHARED,
     AllocShape,
     AllocStatic,
     check_alloc_static_args,
@@ -28,6 +29,7 @@ from r3capture.kernels._common import (
     STATUS_BAD_ROWS,
     STATUS_NO_STOCK,
     STATUS_OK,
+    STATUS_SHARED_INDEX,
 )
 
 _CPU = torch.device("cpu")
@@ -118,15 +120,21 @@ def gather_alloc_reference_checked(args: dict, static: AllocStatic, shape: Alloc
     bad_rejected = ~bad_rows & ((rejected < 0) | (rejected > num_sched))
     index_ok = (index >= 0) & (index < N)
     bad_index = ~bad_rows & ~bad_rejected & ~index_ok
-    read_records = index_ok & ~fresh
+    # Fresh requests read their records too: which one to overwrite.
     rec = torch.zeros((R, 2), dtype=torch.int64)
-    rec[read_records] = records[index[read_records].to(records.device)].to(_CPU, torch.int64)
-    tags, his = rec >> RECORD_HI_BITS, (rec & _HI_MASK) - 1
-    valid = read_records[:, None] & (tags < launch)
+    rec[index_ok] = records[index[index_ok].to(records.device)].to(_CPU, torch.int64)
+    tags = rec >> RECORD_HI_BITS
+    valid = index_ok[:, None] & (tags < launch)
     use0 = valid[:, 0] & (~valid[:, 1] | (tags[:, 0] >= tags[:, 1]))
-    hi = torch.where(use0, his[:, 0], torch.where(valid[:, 1], his[:, 1], -1))
+    held = torch.where(use0, rec[:, 0], rec[:, 1]) & _HI_MASK
+    held = torch.where(~fresh & (use0 | valid[:, 1]), held, 0)
+    shared_before = held == RECORD_SHARED
+    hi = held - 1
     overwrite = torch.where(use0, 1, 0)
-    needs = ~bad_rows & ~bad_rejected & ~bad_index & (accepted > 0)
+    # Requests whose index another request of the launch has too.
+    claims = torch.bincount(index[index_ok], minlength=N)
+    shared = index_ok & (claims[index.clamp(0, N - 1)] > 1)
+    needs = ~bad_rows & ~bad_rejected & ~bad_index & ~shared_before & (accepted > 0)
     safe = start.clamp(min=0)
     first = torch.div(safe, B, rounding_mode="floor")
     last = torch.div(safe + accepted - 1, B, rounding_mode="floor")
@@ -159,8 +167,8 @@ def gather_alloc_reference_checked(args: dict, static: AllocStatic, shape: Alloc
     status = torch.full((R,), STATUS_OK, dtype=torch.int64)
     for mask, code in (
         (bad_slot, STATUS_BAD_BLOCK), (no_stock, STATUS_NO_STOCK), (bad_range, STATUS_BAD_BLOCK),
-        (bad_index, STATUS_BAD_INDEX), (bad_rejected, STATUS_BAD_REJECTED),
-        (bad_rows, STATUS_BAD_ROWS),
+        (shared | shared_before, STATUS_SHARED_INDEX), (bad_index, STATUS_BAD_INDEX),
+        (bad_rejected, STATUS_BAD_REJECTED), (bad_rows, STATUS_BAD_ROWS),
     ):  # fmt: skip
         status[mask] = code  # the last assignment is the first failing check
     ok = status == STATUS_OK
@@ -187,9 +195,11 @@ def gather_alloc_reference_checked(args: dict, static: AllocStatic, shape: Alloc
     new_block = ok[req] & ~old
     ring_index = (index[req][new_block].to(ring.device), (block[new_block] % D).to(ring.device))
     ring[ring_index] = ((block[new_block] << 32) | slot[new_block]).to(ring.device)
+    # Requests sharing an index mark it, each with the same value in the same record.
     grown = ok & (new > 0)
-    write_record = index_ok & (grown | fresh)
-    value = (launch << RECORD_HI_BITS) | (torch.where(grown, last, hi) + 1)
+    write_record = index_ok & (grown | fresh | shared)
+    value = torch.where(shared, RECORD_SHARED, torch.where(grown, last, hi) + 1)
+    value = (launch << RECORD_HI_BITS) | value
     records[index[write_record].to(records.device), overwrite[write_record].to(records.device)] = (
         value[write_record].to(records.device)
     )

@@ -19,7 +19,8 @@ Runner V2's persistent ``input_batch.idx_mapping``):
   index that has a slot. The record with the greater launch tag below this launch holds it;
   a launch writes the other one, so every program of the launch reads the same ``hi``
   whatever order they run in. A fresh request (``fresh[r]`` nonzero: its index was held by
-  another request before) has ``hi = -1`` and always writes its record.
+  another request before) has ``hi = -1`` and always writes its record. ``hi + 1 = 2**24 -
+  1`` marks an index two requests of a launch shared.
 * ``queue [Q]`` int32: free slots the host put there (entries ``head .. queue_tail - 1``,
   modulo ``Q``); ``heads [4]`` int64: launch ``n`` reads its head at ``heads[n % 2]`` and
   program 0 writes the next at ``heads[(n + 1) % 2]``; ``heads[2]`` is the serial of the
@@ -42,8 +43,16 @@ tail fails with ``NO_STOCK`` and takes none (and so does every later request tha
 any). A request with any non-OK status writes no row and no ring entry or record, except a
 fresh request, which always resets its record.
 
-Preconditions the host keeps (the kernel cannot check them cheaply): indices are distinct
-within a step, and the queue entries ``head .. queue_tail - 1`` name distinct free slots.
+Two or more requests of a launch on one index (``SHARED_INDEX``) all fail: each would read
+the index's state as its own. They still take the queue entries their blocks need (every
+program counted them in its prefix sums before it could know), and each marks the index, so
+that every later launch fails a request on it until a fresh request takes it over. Every
+program finds the requests that share its requests' indices in the same pass over the batch
+that sums the queue offsets.
+
+Preconditions the host keeps (the kernel cannot check them): a request keeps its index while
+it lives and holds it alone across launches (the fresh flags say when it changes hands), and
+the queue entries ``head .. queue_tail - 1`` name distinct free slots.
 
 Work split: one 1-D grid of max(cdiv(num_rows bound, BLOCK_ROWS), cdiv(R, BLOCK_REQS))
 programs (host-known bounds; rows past ``query_start_loc[R]`` are masked); every program
@@ -75,6 +84,7 @@ from r3capture.kernels._alloc_checks import (
     HEAD_DONE,
     HEAD_SERIAL,
     RECORD_HI_BITS,
+    RECORD_SHARED,
     AllocShape,
     AllocStatic,
     check_alloc_static_args,
@@ -88,6 +98,7 @@ from r3capture.kernels._common import (
     STATUS_BAD_ROWS,
     STATUS_NO_STOCK,
     STATUS_OK,
+    STATUS_SHARED_INDEX,
 )
 from r3capture.kernels._device import can_write_host_directly, kernel_address
 from r3capture.kernels._launch import (
@@ -105,6 +116,8 @@ _BAD_ROWS = tl.constexpr(STATUS_BAD_ROWS)
 _BAD_INDEX = tl.constexpr(STATUS_BAD_INDEX)
 _NO_STOCK = tl.constexpr(STATUS_NO_STOCK)
 _BAD_LAUNCH = tl.constexpr(STATUS_BAD_LAUNCH)
+_SHARED_INDEX = tl.constexpr(STATUS_SHARED_INDEX)
+_SHARED = tl.constexpr(RECORD_SHARED)
 _HEAD_SERIAL = tl.constexpr(HEAD_SERIAL)
 _HEAD_DONE = tl.constexpr(HEAD_DONE)
 _HI_BITS = tl.constexpr(RECORD_HI_BITS)
@@ -180,7 +193,9 @@ def _request_plan(
     else:
         fresh = tl.zeros_like(m_r)
 
-    m_rec = m_r & idx_ok & ~fresh
+    # A fresh request reads the records too, only to overwrite the older one like any other:
+    # a request that shares its index must still read the same record.
+    m_rec = m_r & idx_ok
     rec0 = tl.load(record_ptr + idx * 2, mask=m_rec, other=0)
     rec1 = tl.load(record_ptr + idx * 2 + 1, mask=m_rec, other=0)
     tag0 = rec0 >> _HI_BITS
@@ -188,10 +203,12 @@ def _request_plan(
     valid0 = m_rec & (tag0 < launch)
     valid1 = m_rec & (tag1 < launch)
     use0 = valid0 & (~valid1 | (tag0 >= tag1))
-    hi = tl.where(use0, (rec0 & _HI_MASK) - 1, tl.where(valid1, (rec1 & _HI_MASK) - 1, -1))
+    held = tl.where(~fresh & (use0 | valid1), tl.where(use0, rec0, rec1) & _HI_MASK, 0)
+    shared = held == _SHARED
+    hi = held - 1
     overwrite = tl.where(use0, 1, 0).to(tl.int64)
 
-    needs = m_r & ~bad_rows & ~bad_rejected & ~bad_index & (accepted > 0)
+    needs = m_r & ~bad_rows & ~bad_rejected & ~bad_index & ~shared & (accepted > 0)
     safe_start = tl.maximum(start, 0)
     first = safe_start // HASH_BLOCK
     last = (safe_start + accepted - 1) // HASH_BLOCK
@@ -205,13 +222,14 @@ def _request_plan(
     new = tl.where(needs & ~bad_range, tl.maximum(last - new_first + 1, 0), 0)
     return (
         q_begin, q_end, start, accepted, idx, idx_ok, fresh, hi, overwrite, needs, first, last,
-        new_first, new, bad_rows, bad_rejected, bad_index, bad_range,
+        new_first, new, bad_rows, bad_rejected, bad_index, shared, bad_range,
     )  # fmt: skip
 
 
 @triton.jit
 def _queue_offsets(
     o_t,
+    idx_t,
     num_reqs,
     available,
     qsl_ptr,
@@ -230,9 +248,12 @@ def _queue_offsets(
     HASH_BLOCK: tl.constexpr,
     CHUNK: tl.constexpr,
 ):
-    """``(off, taken)``: for each request ``o_t`` the new blocks of the requests before it
-    in batch order ([N] int64), and the queue entries the whole launch takes (scalar)."""
+    """``(off, taken, shared)``: for each request ``o_t`` (of index ``idx_t``) the new blocks
+    of the requests before it in batch order ([N] int64), the queue entries the whole launch
+    takes (scalar), and whether another request of the launch has its index ([N] bool; an
+    index outside [0, N) is no request's)."""
     off = tl.zeros_like(o_t)
+    shared = o_t < 0
     running = num_reqs.to(tl.int64) * 0
     taken = running
     c0 = num_reqs * 0
@@ -240,18 +261,21 @@ def _queue_offsets(
         o_c = c0 + tl.arange(0, CHUNK)
         m_c = o_c < num_reqs
         (
-            _, _, _, _, _, _, _, _, _, _, _, _, _, new_c, _, _, _, _,
+            _, _, _, _, idx_c, idx_ok_c, _, _, _, _, _, _, _, new_c, _, _, _, _, _,
         ) = _request_plan(
             o_c, m_c, qsl_ptr, pos_ptr, idx_ptr, rejected_ptr, fresh_ptr, record_ptr, qsl_sane,
             row_limit, num_indices, ring_width, launch, HAS_REJECTED, HAS_FRESH, HASH_BLOCK,
         )  # fmt: skip
         before = o_c[None, :] < o_t[:, None]  # [N, CHUNK]
         off += tl.sum(tl.where(before, new_c[None, :], 0), axis=1)
+        same = (idx_c[None, :] == idx_t[:, None]) & (o_c[None, :] != o_t[:, None])
+        same = same & idx_ok_c[None, :]  # [N, CHUNK]
+        shared = shared | (tl.max(same.to(tl.int32), axis=1) > 0)
         through = running + tl.cumsum(new_c, axis=0)
         taken += tl.sum(tl.where(through <= available, new_c, 0), axis=0)
         running += tl.sum(new_c, axis=0)
         c0 += CHUNK
-    return off, taken
+    return off, taken, shared
 
 
 @triton.jit
@@ -330,13 +354,13 @@ def _request_tile(
     ``p_info``), ring entries and records, and (``writes_head``) the next queue head."""
     (
         _, _, start, accepted, idx, idx_ok, fresh, hi, overwrite, needs, first, last,
-        new_first, new, bad_rows, bad_rejected, bad_index, bad_range,
+        new_first, new, bad_rows, bad_rejected, bad_index, shared_before, bad_range,
     ) = _request_plan(
         o_r, m_r, qsl_ptr, pos_ptr, idx_ptr, rejected_ptr, fresh_ptr, record_ptr, qsl_sane,
         row_limit, num_indices, ring_width, launch, HAS_REJECTED, HAS_FRESH, HASH_BLOCK,
     )  # fmt: skip
-    off, taken = _queue_offsets(
-        o_r, num_reqs, available, qsl_ptr, pos_ptr, idx_ptr, rejected_ptr, fresh_ptr,
+    off, taken, shared = _queue_offsets(
+        o_r, idx, num_reqs, available, qsl_ptr, pos_ptr, idx_ptr, rejected_ptr, fresh_ptr,
         record_ptr, qsl_sane, row_limit, num_indices, ring_width, launch, HAS_REJECTED,
         HAS_FRESH, HASH_BLOCK, CHUNK,
     )  # fmt: skip
@@ -349,14 +373,17 @@ def _request_tile(
         bad_rows, _BAD_ROWS,
         tl.where(bad_rejected, _BAD_REJECTED,
         tl.where(bad_index, _BAD_INDEX,
+        tl.where(shared | shared_before, _SHARED_INDEX,
         tl.where(bad_range, _BAD_BLOCK,
         tl.where(no_stock, _NO_STOCK,
-        tl.where(bad_slot, _BAD_BLOCK, _OK))))),
+        tl.where(bad_slot, _BAD_BLOCK, _OK)))))),
     )  # fmt: skip
     ok = m_r & (status == _OK)
     tl.store(p_info, start.to(tl.int32), mask=m_r)
     tl.store(p_info + 1, tl.where(ok, accepted, -1).to(tl.int32), mask=m_r)
     tl.store(p_info + 2, status.to(tl.int32), mask=m_r)
+    # A request sharing its index still takes its entries: every program counted them in
+    # its prefix sums before it could know.
     tl.store(p_info + 3, tl.where(no_stock, 0, new).to(tl.int32), mask=m_r)
 
     num_new = tl.where(ok, new, 0)
@@ -371,10 +398,12 @@ def _request_tile(
         p_ring = ring_ptr + idx[:, None] * stride_ring + block % ring_width
         tl.store(p_ring, (block << 32) | slot, mask=m_c)
         c0 += SCAN
+    # Every request sharing an index marks it, with the same value in the same record, so
+    # that later launches fail it until a fresh request takes it.
     grown = ok & (new > 0)
-    write_record = m_r & idx_ok & (grown | fresh)
-    record = (launch << _HI_BITS) | (tl.where(grown, last, hi) + 1)
-    tl.store(record_ptr + idx * 2 + overwrite, record, mask=write_record)
+    write_record = m_r & idx_ok & (grown | fresh | shared)
+    held = tl.where(shared, _SHARED, tl.where(grown, last, hi) + 1)
+    tl.store(record_ptr + idx * 2 + overwrite, (launch << _HI_BITS) | held, mask=write_record)
     if writes_head:
         tl.store(heads_ptr + (launch + 1) % 2, head + taken)
 
@@ -473,13 +502,13 @@ def _gather_alloc_kernel(
         o_r = lo
         (
             q_begin, q_end, start, accepted, idx, _, _, hi, _, needs, first, last,
-            new_first, new, bad_rows, bad_rejected, bad_index, bad_range,
+            new_first, new, bad_rows, bad_rejected, bad_index, _, bad_range,
         ) = _request_plan(
             o_r, m_t, qsl_ptr, pos_ptr, idx_ptr, rejected_ptr, fresh_ptr, record_ptr, qsl_sane,
             row_limit, num_indices, ring_width, launch, HAS_REJECTED, HAS_FRESH, HASH_BLOCK,
         )  # fmt: skip
-        off, _ = _queue_offsets(
-            o_r, num_reqs, available, qsl_ptr, pos_ptr, idx_ptr, rejected_ptr, fresh_ptr,
+        off, _, shared = _queue_offsets(
+            o_r, idx, num_reqs, available, qsl_ptr, pos_ptr, idx_ptr, rejected_ptr, fresh_ptr,
             record_ptr, qsl_sane, row_limit, num_indices, ring_width, launch, HAS_REJECTED,
             HAS_FRESH, HASH_BLOCK, CHUNK,
         )  # fmt: skip
@@ -493,7 +522,7 @@ def _gather_alloc_kernel(
         )  # fmt: skip
         same_req = (o_r[:, None] == o_r[None, :]) & (leader & bad_slot)[None, :]
         bad_slot = tl.max(same_req.to(tl.int32), axis=1) > 0
-        ok = needs & ~bad_range & ~no_stock & ~bad_slot
+        ok = needs & ~bad_range & ~no_stock & ~bad_slot & ~shared
 
         i_row = o_t - q_begin
         write = owned & ok & (i_row < accepted)
@@ -805,7 +834,9 @@ def gather_alloc(
         positions: [>= num_rows] int32/int64, the token position of each row (MRV2's
             ``input_batch.positions``); request r's rows sit at ``positions[qsl[r]] + i``.
         request_index: [>= R] int32/int64 on the device, the request's row of
-            ``ring``/``records`` (MRV2's ``input_batch.idx_mapping``).
+            ``ring``/``records`` (MRV2's ``input_batch.idx_mapping``). Requests of one
+            launch sharing an index all fail with SHARED_INDEX, and so does every later
+            request on it until a fresh one takes it.
         ring, records, queue, heads: the state (module docstring); a new state is ``ring``
             all -1 and ``records`` and ``heads [4]`` all 0.
         dest: ``[S, B, L, K]`` uint8/uint16 slots (the row of position p goes to

@@ -13,15 +13,21 @@ torch reference.
 
 from __future__ import annotations
 
+import contextlib
 import random
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 import torch
 
 from bench.models import ModelShape as Model
 from r3capture.kernels import GatherAllocLaunch, Status
-from r3capture.kernels._alloc_checks import BLOCK_LIMIT, HEAD_SERIAL, RECORD_HI_BITS
+from r3capture.kernels._alloc_checks import (
+    BLOCK_LIMIT,
+    HEAD_SERIAL,
+    RECORD_HI_BITS,
+    RECORD_SHARED,
+)
 
 DEST_SENTINEL = {torch.uint8: 0xA5, torch.uint16: 0xA5A5}
 INFO_SENTINEL = -99
@@ -227,6 +233,7 @@ def plain_launch(args: dict, block: int, num_slots: int) -> dict[str, torch.Tens
         return out
     sane = qsl[0] >= 0 and all(b >= a for a, b in zip(qsl[:num_reqs], qsl[1 : num_reqs + 1]))
 
+    in_range = [i for i in index[:num_reqs] if 0 <= i < ring.shape[0]]
     plans = []
     for r in range(num_reqs):
         begin, end = qsl[r], qsl[r + 1]
@@ -241,16 +248,18 @@ def plain_launch(args: dict, block: int, num_slots: int) -> dict[str, torch.Tens
         bad_index = not bad_rows and not bad_rejected and not idx_ok
         is_fresh = bool(fresh[r]) if fresh is not None else False
         hi, use = -1, None
-        if idx_ok and not is_fresh:
+        if idx_ok:  # a fresh request only picks the record it overwrites
             tags = [int(records[idx, h]) >> RECORD_HI_BITS for h in (0, 1)]
             valid = [tag < launch for tag in tags]
             if valid[0] and (not valid[1] or tags[0] >= tags[1]):
                 use = 0
             elif valid[1]:
                 use = 1
-            if use is not None:
+            if use is not None and not is_fresh:
                 hi = (int(records[idx, use]) & _HI_MASK) - 1
-        needs = not (bad_rows or bad_rejected or bad_index) and accepted > 0
+        shared_before = hi == RECORD_SHARED - 1
+        shared = idx_ok and in_range.count(idx) > 1
+        needs = not (bad_rows or bad_rejected or bad_index or shared_before) and accepted > 0
         first = max(start, 0) // B
         last = (max(start, 0) + accepted - 1) // B
         bad_range = needs and (
@@ -263,7 +272,8 @@ def plain_launch(args: dict, block: int, num_slots: int) -> dict[str, torch.Tens
             begin=begin, start=start, accepted=accepted, idx=idx, idx_ok=idx_ok, fresh=is_fresh,
             hi=hi, overwrite=1 if use == 0 else 0, needs=needs, first=first, last=last,
             new_first=new_first, new=new, bad_rows=bad_rows, bad_rejected=bad_rejected,
-            bad_index=bad_index, bad_range=bad_range,
+            bad_index=bad_index, shared=shared, shared_before=shared_before,
+            bad_range=bad_range,
         ))  # fmt: skip
 
     off = 0
@@ -293,6 +303,8 @@ def plain_launch(args: dict, block: int, num_slots: int) -> dict[str, torch.Tens
             status = Status.BAD_REJECTED
         elif p["bad_index"]:
             status = Status.BAD_INDEX
+        elif p["shared"] or p["shared_before"]:
+            status = Status.SHARED_INDEX
         elif p["bad_range"]:
             status = Status.BAD_BLOCK
         elif p["no_stock"]:
@@ -318,8 +330,8 @@ def plain_launch(args: dict, block: int, num_slots: int) -> dict[str, torch.Tens
             for b in range(p["new_first"], p["new_first"] + p["new"]):
                 ring[p["idx"], b % width] = (b << 32) | p["slots"][b]
         grown = ok and p["new"] > 0
-        if p["idx_ok"] and (grown or p["fresh"]):
-            top = p["last"] if grown else p["hi"]
+        if p["idx_ok"] and (grown or p["fresh"] or p["shared"]):
+            top = RECORD_SHARED - 1 if p["shared"] else p["last"] if grown else p["hi"]
             records[p["idx"], p["overwrite"]] = (launch << RECORD_HI_BITS) | (top + 1)
     heads[(launch + 1) % 2] = head + taken
     heads[HEAD_SERIAL] = launch
@@ -505,6 +517,22 @@ def prepared_launch(args: dict, impl: str = "auto") -> Callable[[], None]:
                                     "num_rejected", "fresh")]  # fmt: skip
     scalars = {name: args[name] for name in ("launch", "queue_tail", "num_reqs", "num_rows")}
     return lambda: launch(*step, **scalars)
+
+
+@contextlib.contextmanager
+def programs_in_order(order: Callable[[int], list[int]] | None) -> Iterator[None]:
+    """Run the interpreter's programs of every launch in ``order(grid_size)``'s order (None:
+    its own)."""
+    from triton.runtime import interpreter
+
+    builder = interpreter.interpreter_builder
+    original = builder.set_grid_idx
+    if order is not None:
+        builder.set_grid_idx = lambda x, y, z: original(order(builder.grid_dim[0])[x], y, z)
+    try:
+        yield
+    finally:
+        builder.set_grid_idx = original
 
 
 def set_input(name: str, index, value) -> Callable[[dict], None]:

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 
 import pytest
 import torch
+from gather_alloc_cases import programs_in_order
 
 from r3capture.kernels import Status
 from r3capture.kernels.alloc_reference import gather_alloc_reference
@@ -309,19 +310,6 @@ def test_requests_that_cannot_be_placed_fail_closed(case, status, impl):
     assert written == 1  # request 0's one row
 
 
-def _shuffled_programs(order):
-    """Run the interpreter's programs of every launch in ``order(grid_size)``'s order."""
-    from triton.runtime import interpreter
-
-    builder = interpreter.interpreter_builder
-    original = builder.set_grid_idx
-
-    def remapped(x, y, z):
-        return original(order(builder.grid_dim[0])[x], y, z)
-
-    return builder, original, remapped
-
-
 @pytest.mark.parametrize("order", ["reversed", "shuffled"])
 def test_program_order_does_not_change_a_launch(order):
     """Programs read each request's record while the request's own tile overwrites one: the
@@ -343,10 +331,7 @@ def test_program_order_does_not_change_a_launch(order):
         sc = _Scenario(4, 8, 16, 64, 96, random.Random(9))
         state = _state(sc, (2, 2), torch.uint8, False, 64)
         sc.refill(state["queue"], 64)
-        builder, original, remapped = _shuffled_programs(permutation)
-        if shuffled:
-            builder.set_grid_idx = remapped
-        try:
+        with programs_in_order(permutation if shuffled else None):
             for _ in range(8):
                 while len(sc.live) < 6:
                     sc.admit()
@@ -356,8 +341,6 @@ def test_program_order_does_not_change_a_launch(order):
                 _model_launch(sc, step, args, state["capture"], state["dest"])
                 gather_alloc(**state, **args, launch=sc.launch, queue_tail=len(sc.queue_model),
                              impl="triton")  # fmt: skip
-        finally:
-            builder.set_grid_idx = original
         results.append(state)
     for name in results[0]:
         assert torch.equal(results[0][name], results[1][name]), name

@@ -94,9 +94,9 @@ def test_failing_request_writes_nothing(case: Case) -> None:
 
 
 def test_statuses_are_the_contract_codes() -> None:
-    assert [int(s) for s in Status] == [0, 1, 2, 3, 4, 5, 6]
+    assert [int(s) for s in Status] == [0, 1, 2, 3, 4, 5, 6, 7]
     names = ["OK", "BAD_REJECTED", "BAD_BLOCK", "BAD_ROWS", "BAD_INDEX", "NO_STOCK",
-             "BAD_LAUNCH"]  # fmt: skip
+             "BAD_LAUNCH", "SHARED_INDEX"]  # fmt: skip
     assert [s.name for s in Status] == names
 
 
