@@ -165,12 +165,46 @@ def _raise_first_error(
         raise AuxOutputProtocolError(f"{message}: request={layout.request_ids[first]}")
     i = int(np.argmax(bad))
     start, written, status = (int(x) for x in step_info[i, :3])
+    name, reason = _kernel_failure(layout, step_info, status)
     raise AuxOutputProtocolError(
         "auxiliary output rows were not placed by the capture kernel: "
-        f"request={layout.request_ids[i]}, status={status}, start={start} "
+        f"request={layout.request_ids[i]}, status={status} ({name}), start={start} "
         f"(expected {int(capture_starts[i])}), rows written={written} of "
-        f"{int(accepted[i])} accepted; the device and host rejected counts must agree"
+        f"{int(accepted[i])} accepted; {reason}"
     )
+
+
+def _kernel_failure(layout: StepLayout, step_info: np.ndarray, status: int) -> tuple[str, str]:
+    """The name of ``status`` (a request's ``step_info[:, 2]``) and what the step got wrong."""
+    # Imported on the failure path only: the commit itself needs no torch.
+    from r3capture.kernels import Status
+
+    if status not in Status._value2member_map_:
+        return "unknown", "the kernel writes no such status: step_info was not the kernel's"
+    name = Status(status).name
+    if name == "SHARED_INDEX":
+        sharing = [layout.request_ids[i] for i in np.flatnonzero(step_info[:, 2] == status)]
+        return name, (
+            "input_batch.idx_mapping gives its request index to another request of the step "
+            f"(requests {sharing} failed so), or gave it to two requests of an earlier step "
+            "and no new request has taken it since; each request needs an index of its own"
+        )
+    return name, _KERNEL_FAILURES[name]
+
+
+# What a request the kernel failed got wrong, by status (kernels/_common.py, docs/errors.md).
+_KERNEL_FAILURES = {
+    "OK": "the device and host rejected counts must agree",  # placed, but not as expected
+    "BAD_REJECTED": "the device num_rejected is negative or above its scheduled rows",
+    "BAD_BLOCK": "a block of its rows has no slot the device ring can vouch for: a start "
+    "below the blocks the ring keeps, or an entry naming another block or a slot outside "
+    "the arena",
+    "BAD_ROWS": "the device query_start_loc starts below 0, decreases or passes the rows",
+    "BAD_INDEX": "input_batch.idx_mapping gives it a request index outside [0, max_num_seqs)",
+    "NO_STOCK": "the free-slot queue could not cover its new blocks",
+    "BAD_LAUNCH": "the launch serial is not the last launch's + 1 (the kernel's device state "
+    "was launched by another caller, or reset): every request of the step failed",
+}
 
 
 def check_not_overwritten(

@@ -83,14 +83,16 @@ def batch_of(worker: TritonAuxOutputWorker, **fields) -> SimpleNamespace:
     return SimpleNamespace(**fields)
 
 
-def run_step(worker, metadata, batch, rejected=None, sampled=None, padding=0):
+def run_step(worker, metadata, batch, rejected=None, sampled=None, padding=0, indices=None):
     """One synchronous step: rows of ``batch`` = [(req_id, seed, token_start, count)].
     ``padding``: entries past the batch's requests in the host arrays (vLLM reads only the
-    first ``num_reqs``), filled with values no request has."""
-    return finish_step(start_step(worker, metadata, batch, rejected, padding), sampled)
+    first ``num_reqs``), filled with values no request has. ``indices``: the batch's
+    ``idx_mapping`` (default: as MRV2 hands them out)."""
+    started = start_step(worker, metadata, batch, rejected, padding, indices)
+    return finish_step(started, sampled)
 
 
-def start_step(worker, metadata, batch, rejected=None, padding=0):
+def start_step(worker, metadata, batch, rejected=None, padding=0, indices=None):
     """``begin_step`` and ``prepare_output`` of ``run_step``'s step; returns its
     ``PendingStep`` and host rejected counts, for ``finish_step``."""
     worker.begin_step(metadata)
@@ -108,6 +110,9 @@ def start_step(worker, metadata, batch, rejected=None, padding=0):
             np.concatenate([np.arange(s, s + c) for _, _, s, c in batch] or [np.zeros(0)])
         ).long(),
     )
+    if indices is not None:
+        fields["idx_mapping_np"] = np.array(indices, np.intp)
+        fields["idx_mapping"] = torch.tensor(indices, dtype=torch.int64)
     n = len(batch)
     rejected = np.zeros(n, np.int32) if rejected is None else np.asarray(rejected, np.int32)
     # What the plugin does: the step's device rejected counts reach the kernel.

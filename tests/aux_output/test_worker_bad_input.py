@@ -18,6 +18,7 @@ from hypothesis import strategies as st
 from test_worker import SIZES, K, L, batch_of, hashes, make_worker, meta, routes, run_step
 
 from r3capture.aux_output.call_checks import checked_emit_starts
+from r3capture.aux_output.errors import AuxOutputProtocolError
 from r3capture.aux_output.sizing import WorkerSizing
 from r3capture.aux_output.types import PackedBlockHashes
 from r3capture.aux_output.worker import TritonAuxOutputWorker
@@ -548,3 +549,82 @@ def test_unusual_but_valid_step_input_behaves_like_the_usual():
     # The finished requests' keys were released: unreferenced now, in vLLM's order.
     assert len(worker.store.eviction_order()) == 2
     assert worker.store.eviction_order() == twin.store.eviction_order()
+
+
+# ------------------------------------------------ request indices and launch serials
+# Inputs Model Runner V2 never sends, which the kernel fails by status (docs/errors.md): the
+# step raises before any of its rows is returned, and no later step returns a wrong row.
+
+KERNELS = [
+    pytest.param(dict(kernel_impl="reference", destination="direct"), id="reference-direct"),
+    pytest.param(dict(kernel_impl="triton", destination="direct"), id="triton-direct"),
+    pytest.param(dict(kernel_impl="triton", destination="staging"), id="triton-staging"),
+]
+
+
+def _rows(seed: int, start: int, count: int) -> np.ndarray:
+    return routes(seed, start, count).astype(np.uint8)
+
+
+def _returned(out: dict, request_id: str, seed: int, start: int, count: int) -> bool:
+    return out[request_id].token_start == start and np.array_equal(
+        out[request_id].rows, _rows(seed, start, count)
+    )
+
+
+@pytest.mark.parametrize("options", KERNELS)
+def test_two_requests_of_a_step_on_one_index_fail_it_and_every_later_step_on_that_index(
+    options,
+):
+    """a holds index 0 and b index 1; a step gives index 0 to a and to a new request c too.
+    The step raises naming both (b's rows in it are not returned either); a alone on index 0
+    raises again, b goes on with the right rows, and a request new to index 0 takes it."""
+    worker = make_worker(**options)
+    out = run_step(worker, meta({"a": 0, "b": 0}), [("a", 1, 0, 6), ("b", 2, 0, 3)], indices=[0, 1])
+    assert _returned(out, "a", 1, 0, 6) and _returned(out, "b", 2, 0, 3)
+    shared = "status=7 \\(SHARED_INDEX\\).*input_batch.idx_mapping"
+    with pytest.raises(AuxOutputProtocolError, match=f"request=a, {shared}.*\\['a', 'c'\\]"):
+        run_step(
+            worker,
+            meta({"a": 6, "b": 3, "c": 0}),
+            [("a", 1, 6, 2), ("b", 2, 3, 2), ("c", 3, 0, 5)],
+            indices=[0, 1, 0],
+        )
+    with pytest.raises(AuxOutputProtocolError, match=f"request=a, {shared}"):
+        run_step(worker, meta({"a": 6}), [("a", 1, 6, 2)], indices=[0])
+    out = run_step(worker, meta({"b": 3}), [("b", 2, 3, 2)], indices=[1])
+    assert _returned(out, "b", 2, 3, 2)
+    worker.begin_step(meta({}, finished=["a", "c"]))
+    out = run_step(worker, meta({"b": 5, "d": 0}), [("b", 2, 5, 4), ("d", 4, 0, 6)], indices=[1, 0])
+    assert _returned(out, "b", 2, 5, 4) and _returned(out, "d", 4, 0, 6)
+    worker.close()
+
+
+@pytest.mark.parametrize("options", KERNELS)
+def test_a_request_index_out_of_range_fails_the_step_naming_idx_mapping(options):
+    worker = make_worker(**options)
+    with pytest.raises(
+        AuxOutputProtocolError,
+        match="request=a, status=4 \\(BAD_INDEX\\).*input_batch.idx_mapping gives it a request "
+        "index outside \\[0, max_num_seqs\\)",
+    ):
+        run_step(worker, meta({"a": 0}), [("a", 1, 0, 3)], indices=[SIZES["max_num_seqs"]])
+    worker.close()
+
+
+@pytest.mark.parametrize("options", KERNELS)
+def test_a_launch_serial_off_by_one_fails_that_step_and_every_later_one(options):
+    """A caller that counts a step without requests as a launch (the kernel launches nothing
+    for it) passes serial 3 after launch 1: the step would read the queue head launch 1
+    read, and give b a's slot. Every request of it fails, and so does every later step."""
+    worker = make_worker(**options)
+    out = run_step(worker, meta({"a": 0}), [("a", 1, 0, 4)])
+    assert _returned(out, "a", 1, 0, 4)
+    worker._book.launcher._launches += 1
+    for step in range(2):
+        with pytest.raises(
+            AuxOutputProtocolError,
+            match="request=b, status=6 \\(BAD_LAUNCH\\).*launch serial is not the last",
+        ):
+            run_step(worker, meta({"b": 0} if step else {"a": 4, "b": 0}), [("b", 2, 0, 4)])
+    worker.close()
