@@ -261,18 +261,21 @@ class RequestBook:
                     small.materialize,
                     small.rows_written,
                 )
-        # First, so that the host's account of the queue follows the device's whatever the
-        # checks find.
-        self._take_new_slots(layout, step_info)
-        plan = commit_step(
-            layout,
-            self.table,
-            num_sampled,
-            num_rejected,
-            step_info,
-            self._block_size,
-            self._partial_first_ok,
-        )
+        # Whatever the checks find, so that the host's account of the queue follows the
+        # device's; after them, so that a request the kernel failed gets no slot.
+        plan = None
+        try:
+            plan = commit_step(
+                layout,
+                self.table,
+                num_sampled,
+                num_rejected,
+                step_info,
+                self._block_size,
+                self._partial_first_ok,
+            )
+        finally:
+            self._take_new_slots(layout, step_info, placed_only=plan is None)
         if staged_rows is not None:
             self._reader.place_staged(layout, step_info, staged_rows)
         elif len(self._steps) > 2:  # depth >= 3: two or more later steps in flight
@@ -315,14 +318,26 @@ class RequestBook:
         self.launcher.queue.refill()
         return outputs
 
-    def _take_new_slots(self, layout: StepLayout, step_info: np.ndarray) -> None:
+    def _take_new_slots(
+        self, layout: StepLayout, step_info: np.ndarray, placed_only: bool = False
+    ) -> None:
         """Give the step's requests the slots their launch took from the queue (its
         ``step_info[:, 3]``, in batch order): each request's new blocks start at its ring's
-        end, or at its first captured block."""
+        end, or at its first captured block. ``placed_only`` (a step that failed): the slots
+        a request the kernel failed took go back to the store instead, since its launch
+        wrote no ring entry for them (a request sharing its index takes them all the same)."""
         taken = step_info[:, 3]
         slots = self.launcher.queue.commit(int(taken.sum()))
         if not slots.size:
             return
+        if placed_only:
+            failed = step_info[:, 2] != 0
+            if failed.any():
+                unplaced = np.repeat(failed, taken)
+                self._publisher.free(slots[unplaced])
+                slots, taken = slots[~unplaced], np.where(failed, 0, taken)
+                if not slots.size:
+                    return
         grew = taken.nonzero()[0]
         rows = layout.rows[grew]
         ends = self.table.end[rows]
@@ -346,12 +361,13 @@ class RequestBook:
     def settle(self, layout: StepLayout, launched: LaunchedStep, *, teardown: bool) -> None:
         """The step is no longer in flight; with ``teardown``, requests that finished while
         it was tear down now (their keys released, their slots freed). A step that failed
-        before its commit read its results still hands its requests the slots it took, so
-        the host's account of the queue keeps following the device's."""
+        before its commit read its results still hands the requests its kernel placed the
+        slots they took, and the store those of the requests it failed, so the host's
+        account of the queue and of each request's ring keeps following the device's."""
         if launched.num_reqs and not launched.accounted:
             launched.accounted = True
             step_info = self.device_side.results_after_failure(launched)
-            self._take_new_slots(layout, step_info)
+            self._take_new_slots(layout, step_info, placed_only=True)
         request_ids, rows = self._steps.settle(layout, teardown=teardown)
         if request_ids:
             self._publisher.publish(finished=request_ids, finished_rows=rows)

@@ -601,6 +601,23 @@ def test_two_requests_of_a_step_on_one_index_fail_it_and_every_later_step_on_tha
 
 
 @pytest.mark.parametrize("options", KERNELS)
+def test_a_request_given_another_ones_index_for_one_step_keeps_its_own_blocks(options):
+    """b (index 1) is given a's index 0 for one step, in which its rows reach a block a does
+    not hold: the kernel takes a queue entry for it all the same. That slot goes back to the
+    store, not to b's ring, so b's next step, on its own index, finds its blocks where the
+    device put them."""
+    worker = make_worker(**options)
+    run_step(worker, meta({"a": 0, "b": 0}), [("a", 1, 0, 6), ("b", 2, 0, 3)], indices=[0, 1])
+    with pytest.raises(AuxOutputProtocolError, match="request=a, status=7 \\(SHARED_INDEX\\)"):
+        run_step(worker, meta({"a": 6, "b": 3}), [("a", 1, 6, 2), ("b", 2, 3, 6)], indices=[0, 0])
+    out = run_step(worker, meta({"b": 3}), [("b", 2, 3, 6)], indices=[1])
+    assert _returned(out, "b", 2, 3, 6)
+    out = run_step(worker, meta({"b": 9}), [("b", 2, 9, 4)], indices=[1])
+    assert _returned(out, "b", 2, 9, 4)
+    worker.close()
+
+
+@pytest.mark.parametrize("options", KERNELS)
 def test_a_request_index_out_of_range_fails_the_step_naming_idx_mapping(options):
     worker = make_worker(**options)
     with pytest.raises(
