@@ -93,6 +93,70 @@ class Case:
             self.status = [0] * len(self.reqs)
 
 
+@dataclass
+class Request:
+    """A request of a launch sequence, as its host sees it."""
+
+    index: int
+    cursor: int  # next position to capture
+    blocks: dict[int, int] = field(default_factory=dict)  # block -> slot
+    launched: bool = False
+    rows: dict[int, int] = field(default_factory=dict)  # position -> value of placed rows
+
+
+@dataclass
+class Scenario:
+    """The host's side of a launch sequence: MRV2's request indices (last freed, first
+    taken), the free slots, the queue (``queue_model``: every entry ever put), the live
+    requests."""
+
+    block: int
+    num_indices: int
+    ring_width: int
+    queue_size: int
+    num_slots: int
+    rng: random.Random
+    free_indices: list[int] = field(default_factory=list)
+    free_slots: list[int] = field(default_factory=list)
+    live: dict[str, Request] = field(default_factory=dict)
+    queue_model: list[int] = field(default_factory=list)  # every entry ever put
+    head: int = 0
+    launch: int = 0
+    next_id: int = 0
+
+    def __post_init__(self) -> None:
+        self.free_indices = list(range(self.num_indices))
+        self.free_slots = list(range(self.num_slots))
+        self.rng.shuffle(self.free_slots)
+
+    def refill(self, queue: torch.Tensor, count: int) -> None:
+        count = min(count, len(self.free_slots), self.queue_size - self.stock)
+        for _ in range(count):
+            slot = self.free_slots.pop()
+            queue[len(self.queue_model) % self.queue_size] = slot
+            self.queue_model.append(slot)
+
+    @property
+    def stock(self) -> int:
+        return len(self.queue_model) - self.head
+
+    def admit(self, index: int | None = None) -> str | None:
+        """A new request on the next free index, or (a faulty engine) on ``index``."""
+        if index is None and not self.free_indices:
+            return None
+        start = self.rng.choice([0, 0, self.block * self.rng.randrange(0, 6), 7])
+        req_id = f"r{self.next_id}"
+        self.live[req_id] = Request(self.free_indices.pop() if index is None else index, start)
+        self.next_id += 1
+        return req_id
+
+    def finish(self, req_id: str, *, frees_index: bool = True) -> None:
+        request = self.live.pop(req_id)
+        if frees_index:
+            self.free_indices.append(request.index)  # MRV2: last freed, first taken
+        self.free_slots.extend(request.blocks.values())
+
+
 def _held(req: Req, block: int) -> int:
     if req.held is not None:
         return req.held

@@ -11,11 +11,10 @@ prefill chunks, a queue that wraps, dry stock, every block size and both layouts
 from __future__ import annotations
 
 import random
-from dataclasses import dataclass, field
 
 import pytest
 import torch
-from gather_alloc_cases import programs_in_order
+from gather_alloc_cases import Scenario, programs_in_order
 
 from r3capture.kernels import Status
 from r3capture.kernels.alloc_reference import gather_alloc_reference
@@ -24,62 +23,7 @@ from r3capture.kernels.gather_alloc import gather_alloc
 SENTINEL = {torch.uint8: 0xA5, torch.uint16: 0xA5A5}
 
 
-@dataclass
-class _Request:
-    index: int
-    cursor: int  # next position to capture
-    blocks: dict[int, int] = field(default_factory=dict)  # block -> slot (the model)
-    launched: bool = False
-
-
-@dataclass
-class _Scenario:
-    """The host's side of a launch sequence and the plain model of what the kernel does."""
-
-    block: int
-    num_indices: int
-    ring_width: int
-    queue_size: int
-    num_slots: int
-    rng: random.Random
-    free_indices: list[int] = field(default_factory=list)
-    free_slots: list[int] = field(default_factory=list)
-    live: dict[str, _Request] = field(default_factory=dict)
-    queue_model: list[int] = field(default_factory=list)  # every entry ever put
-    head: int = 0
-    launch: int = 0
-    next_id: int = 0
-
-    def __post_init__(self) -> None:
-        self.free_indices = list(range(self.num_indices))
-        self.free_slots = list(range(self.num_slots))
-        self.rng.shuffle(self.free_slots)
-
-    def refill(self, queue: torch.Tensor, count: int) -> None:
-        count = min(count, len(self.free_slots), self.queue_size - self.stock)
-        for _ in range(count):
-            slot = self.free_slots.pop()
-            queue[len(self.queue_model) % self.queue_size] = slot
-            self.queue_model.append(slot)
-
-    @property
-    def stock(self) -> int:
-        return len(self.queue_model) - self.head
-
-    def admit(self) -> None:
-        if not self.free_indices:
-            return
-        start = self.rng.choice([0, 0, self.block * self.rng.randrange(0, 6), 7])
-        self.live[f"r{self.next_id}"] = _Request(self.free_indices.pop(), start)
-        self.next_id += 1
-
-    def finish(self, req_id: str) -> None:
-        request = self.live.pop(req_id)
-        self.free_indices.append(request.index)  # MRV2: last freed, first taken
-        self.free_slots.extend(request.blocks.values())
-
-
-def _state(sc: _Scenario, model_shape: tuple[int, int], dtype, rows_layout: bool, T: int):
+def _state(sc: Scenario, model_shape: tuple[int, int], dtype, rows_layout: bool, T: int):
     L, K = model_shape
     gen = torch.Generator().manual_seed(sc.rng.randrange(1 << 30))
     capture = torch.randint(0, 250, (T, L, K), generator=gen, dtype=torch.int32)
@@ -99,7 +43,7 @@ def _state(sc: _Scenario, model_shape: tuple[int, int], dtype, rows_layout: bool
     )
 
 
-def _draw_step(sc: _Scenario, max_rows: int, with_rejected: bool):
+def _draw_step(sc: Scenario, max_rows: int, with_rejected: bool):
     """One launch's requests in a drawn batch order: ``(req_id, start, rows, rejected)``."""
     ids = list(sc.live)
     sc.rng.shuffle(ids)
@@ -116,7 +60,7 @@ def _draw_step(sc: _Scenario, max_rows: int, with_rejected: bool):
     return step
 
 
-def _launch_args(sc: _Scenario, step, T: int, with_fresh: bool):
+def _launch_args(sc: Scenario, step, T: int, with_fresh: bool):
     qsl, positions = [0], torch.zeros(T, dtype=torch.int64)
     for _, start, rows, _ in step:
         positions[qsl[-1] : qsl[-1] + rows] = torch.arange(start, start + rows)
@@ -132,7 +76,7 @@ def _launch_args(sc: _Scenario, step, T: int, with_fresh: bool):
     )
 
 
-def _model_launch(sc: _Scenario, step, args: dict, capture: torch.Tensor, dest_before):
+def _model_launch(sc: Scenario, step, args: dict, capture: torch.Tensor, dest_before):
     """What the launch must do, by the plain model: per request, its blocks without a slot
     take queue entries in batch order while the stock lasts; returns (expected step_info
     rows, expected dest) and moves the model on."""
@@ -172,7 +116,7 @@ def _model_launch(sc: _Scenario, step, args: dict, capture: torch.Tensor, dest_b
 @pytest.mark.parametrize("seed", range(3))
 def test_launch_sequences_match_the_reference_and_the_model(block, dtype, rows_layout, seed):
     T = 48
-    sc = _Scenario(
+    sc = Scenario(
         block=block,
         num_indices=6,
         ring_width=T // block + 2,
@@ -222,7 +166,7 @@ def test_launch_sequences_match_the_reference_and_the_model(block, dtype, rows_l
 def test_a_fresh_request_ignores_what_its_index_held_before():
     """Index 2 held blocks 0-1 of another request; the new owner, fresh, starts at block 0
     again and takes new slots; without the flag it would have reused the old ones."""
-    sc = _Scenario(4, 4, 8, 16, 16, random.Random(0))
+    sc = Scenario(4, 4, 8, 16, 16, random.Random(0))
     state = _state(sc, (1, 1), torch.uint8, False, 16)
     sc.refill(state["queue"], 16)
     tail = len(sc.queue_model)
@@ -245,7 +189,7 @@ def test_a_fresh_request_ignores_what_its_index_held_before():
 
 
 def test_dry_stock_fails_the_first_request_it_cannot_cover_and_every_later_one_needing_any():
-    sc = _Scenario(4, 4, 8, 16, 16, random.Random(1))
+    sc = Scenario(4, 4, 8, 16, 16, random.Random(1))
     state = _state(sc, (1, 1), torch.uint8, False, 24)
     sc.refill(state["queue"], 3)
     # Requests need 2, 2, 0 (no accepted rows) and 1 new blocks; the stock holds 3.
@@ -275,7 +219,7 @@ def test_dry_stock_fails_the_first_request_it_cannot_cover_and_every_later_one_n
 def test_requests_that_cannot_be_placed_fail_closed(case, status, impl):
     """Each case breaks request 1 only; request 0 is written, request 1 writes nothing."""
     B, D = 4, 8
-    sc = _Scenario(B, 4, D, 32, 32, random.Random(2))
+    sc = Scenario(B, 4, D, 32, 32, random.Random(2))
     state = _state(sc, (1, 1), torch.uint8, False, 48)
     sc.refill(state["queue"], 32)
     kwargs = dict(impl="triton") if impl == "triton" else {}
@@ -328,7 +272,7 @@ def test_program_order_does_not_change_a_launch(order):
 
     results = []
     for shuffled in (False, True):
-        sc = _Scenario(4, 8, 16, 64, 96, random.Random(9))
+        sc = Scenario(4, 8, 16, 64, 96, random.Random(9))
         state = _state(sc, (2, 2), torch.uint8, False, 64)
         sc.refill(state["queue"], 64)
         with programs_in_order(permutation if shuffled else None):
@@ -347,7 +291,7 @@ def test_program_order_does_not_change_a_launch(order):
 
 
 def _valid_call():
-    sc = _Scenario(4, 4, 8, 16, 16, random.Random(3))
+    sc = Scenario(4, 4, 8, 16, 16, random.Random(3))
     state = _state(sc, (1, 1), torch.uint8, False, 16)
     return dict(
         **state, query_start_loc=torch.tensor([0, 2], dtype=torch.int32),

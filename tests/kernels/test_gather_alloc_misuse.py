@@ -11,11 +11,10 @@ own blocks (or its first block); those of a request the kernel failed go back to
 from __future__ import annotations
 
 import random
-from dataclasses import dataclass, field
 
 import pytest
 import torch
-from gather_alloc_cases import programs_in_order
+from gather_alloc_cases import Scenario, programs_in_order
 
 from r3capture.kernels import Status, gather_alloc, gather_alloc_reference
 
@@ -169,60 +168,8 @@ def test_a_serial_other_than_the_last_plus_one_fails_every_request_and_changes_n
     assert int(state["ring"][1, 0]) & 0xFFFFFFFF == int(state["queue"][entry])
 
 
-@dataclass
-class _Request:
-    index: int
-    cursor: int
-    blocks: dict[int, int] = field(default_factory=dict)  # the caller's account: block -> slot
-    rows: dict[int, int] = field(default_factory=dict)  # position -> value, of placed rows
-    launched: bool = False
-
-
-@dataclass
-class _Caller:
-    """The worker's side of a launch sequence: MRV2's request indices (last freed, first
-    taken), the free slots, the queue, each request's account."""
-
-    rng: random.Random
-    block: int
-    num_indices: int
-    queue_size: int
-    num_slots: int
-    free_indices: list[int] = field(default_factory=list)
-    free_slots: list[int] = field(default_factory=list)
-    live: dict[str, _Request] = field(default_factory=dict)
-    queued: list[int] = field(default_factory=list)  # every slot ever put in the queue
-    head: int = 0
-    serial: int = 0
-    next_id: int = 0
-
-    def __post_init__(self) -> None:
-        self.free_indices = list(range(self.num_indices))
-        self.free_slots = list(range(self.num_slots))
-        self.rng.shuffle(self.free_slots)
-
-    def refill(self, queue: list[torch.Tensor]) -> None:
-        while self.free_slots and len(self.queued) - self.head < self.queue_size:
-            slot = self.free_slots.pop()
-            for q in queue:
-                q[len(self.queued) % self.queue_size] = slot
-            self.queued.append(slot)
-
-    def admit(self, index: int | None = None) -> str:
-        """A new request, on the next free index or (misuse) on ``index``."""
-        req_id = f"r{self.next_id}"
-        self.next_id += 1
-        if index is None:
-            index = self.free_indices.pop()
-        start = self.rng.choice([0, 0, self.block * self.rng.randrange(1, 4)])
-        self.live[req_id] = _Request(index, start)
-        return req_id
-
-    def finish(self, req_id: str, *, frees_index: bool = True) -> None:
-        request = self.live.pop(req_id)
-        if frees_index:
-            self.free_indices.append(request.index)
-        self.free_slots.extend(request.blocks.values())
+class _Caller(Scenario):
+    """The worker's side of a launch sequence, with its account of each request."""
 
     def account(self, step: list, info: list[list[int]]) -> None:
         """Hand out the entries the launch took (``info``: its step_info rows), check each
@@ -231,7 +178,7 @@ class _Caller:
         for (req_id, _, start, rows, rejected, value), (_, accepted, status, taken) in zip(
             step, info
         ):
-            slots = self.queued[offset : offset + taken]
+            slots = self.queue_model[offset : offset + taken]
             offset += taken
             request = self.live[req_id]
             if status != Status.OK:
@@ -316,10 +263,10 @@ def test_misused_launch_sequences_never_place_a_row_where_the_account_does_not(b
 
 def _misused_sequence(block: int, seed: int) -> None:
     T = 16
-    caller = _Caller(random.Random(seed * 100 + block), block, 5, 12, 48)
+    caller = _Caller(block, 5, T // block + 2, 12, 48, random.Random(seed * 100 + block))
     capture = torch.zeros((T, 1, 1), dtype=torch.int32)
     kernel = dict(
-        ring=torch.full((5, T // block + 2), -1, dtype=torch.int64),
+        ring=torch.full((5, caller.ring_width), -1, dtype=torch.int64),
         records=torch.zeros((5, 2), dtype=torch.int64),
         queue=torch.full((caller.queue_size,), -1, dtype=torch.int32),
         heads=torch.zeros(4, dtype=torch.int64),
@@ -331,7 +278,8 @@ def _misused_sequence(block: int, seed: int) -> None:
     for launch in range(18):
         while len(caller.live) < 3 and caller.free_indices:
             caller.admit()
-        caller.refill([kernel["queue"], reference["queue"]])
+        caller.refill(kernel["queue"], caller.queue_size)
+        reference["queue"].copy_(kernel["queue"])
         step = _draw_step(caller, T - 1)
         kind = _misuse(caller, step, MISUSES[launch % len(MISUSES)])
         qsl, positions = [0], torch.zeros(T, dtype=torch.int64)
@@ -340,22 +288,22 @@ def _misused_sequence(block: int, seed: int) -> None:
             capture[qsl[-1] : qsl[-1] + rows, 0, 0] = torch.arange(value, value + rows)
             qsl.append(qsl[-1] + rows)
         fresh = [not caller.live[s[0]].launched for s in step]
-        serial = caller.serial + 1
+        serial = caller.launch + 1
         if kind == "serial":  # a serial skipped, or the last one again
-            serial = caller.serial + 2 if caller.rng.random() < 0.5 else max(caller.serial, 1)
-            serial += serial == caller.serial + 1
+            serial = caller.launch + 2 if caller.rng.random() < 0.5 else max(caller.launch, 1)
+            serial += serial == caller.launch + 1
         args = dict(
             capture=capture, query_start_loc=torch.tensor(qsl), positions=positions,
             request_index=torch.tensor([s[1] for s in step]),
             num_rejected=torch.tensor([s[4] for s in step]),
             fresh=torch.tensor(fresh) if any(fresh) else None, num_rows=qsl[-1],
-            launch=serial, queue_tail=len(caller.queued),
+            launch=serial, queue_tail=len(caller.queue_model),
         )  # fmt: skip
         before = {name: kernel[name].clone() for name in STATE}
         gather_alloc(**kernel, **args, impl="triton")
         gather_alloc_reference(**reference, **args)
         for name in kernel:
-            assert torch.equal(kernel[name], reference[name]), (caller.serial, name)
+            assert torch.equal(kernel[name], reference[name]), (caller.launch, name)
         info = kernel["step_info"][: len(step)].tolist()
         statuses = [row[2] for row in info]
         seen.add(kind)
@@ -364,7 +312,7 @@ def _misused_sequence(block: int, seed: int) -> None:
             for name in STATE:
                 assert torch.equal(kernel[name], before[name]), name
             continue
-        caller.serial = serial
+        caller.launch = serial
         indices = [s[1] for s in step]
         for s, status in zip(step, statuses):
             if indices.count(s[1]) > 1:
