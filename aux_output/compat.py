@@ -142,3 +142,11 @@ LOCAL_HIT_METHODS = ("get_computed_blocks", "get_computed_blocks_for_connector")
 TRUNCATE_HIT_METHOD = "truncate_computed_blocks"
 SCHEDULER_KV_CONNECTOR_ATTR = "connector"
 EXTERNAL_HIT_METHOD = "get_num_new_matched_tokens"
+# Per-request routed experts (replay.py): ``InputProcessor._validate_params(params,
+# supported_tasks)`` in INPUT_PROCESSOR_MODULE checks every request's sampling parameters
+# where the request is taken (the API server, ``LLM``), raising ``ValueError`` (or vLLM's
+# validation error) that the OpenAI server answers with 400. ``SamplingParams.extra_args``
+# carries the OpenAI request's ``vllm_xargs`` (completions and chat alike).
+INPUT_PROCESSOR_MODULE = "vllm.v1.engine.input_processor"
+INPUT_PROCESSOR_CLASS = "InputProcessor"
+VALIDATE_PARAMS_METHOD = "_validate_params"

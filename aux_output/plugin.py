@@ -38,6 +38,14 @@ What it installs:
 * **Pipeline parallelism** (every process, supported vLLM): ``VllmConfig``'s routed-experts
   compatibility check runs with PP hidden when ``triton`` is selected, so vLLM's refusal of
   PP > 1 is lifted for ``triton`` only and all its other refusals stay.
+* **Per-request routed experts** (``replay.py``; ``triton`` only): each engine
+  ``Scheduler``'s aux-output connector is wrapped so that a request whose
+  ``SamplingParams.extra_args["aux_output_replay"]`` is false gets no rows and costs the
+  worker no per-row work for them; ``--aux-output-replay-default {on,off}`` (folded into
+  ``additional_config["aux_output_replay_default"]``, ``off`` as ``False``; ``on``, the
+  default, adds nothing) sets what a request without the key gets; and
+  ``InputProcessor._validate_params`` refuses a request whose value is not a boolean, where
+  vLLM validates every request's sampling parameters (the OpenAI server answers 400).
 * **Prefill/decode disaggregation** (``--aux-output-pd {off,splice}``, folded into
   ``additional_config["aux_output_pd"]`` like the backend; ``pd.py``): ``splice`` needs
   ``triton`` and runs the same check with the P/D KV connectors hidden, so vLLM's refusal of
@@ -62,7 +70,7 @@ from collections.abc import Callable
 from types import ModuleType
 from typing import Any
 
-from r3capture.aux_output import compat, pd, pipeline
+from r3capture.aux_output import compat, pd, pipeline, replay
 
 # A child of vLLM's logger: the plugin runs only inside vLLM, whose handlers and
 # VLLM_LOGGING_LEVEL then apply to its messages too.
@@ -98,6 +106,7 @@ def register() -> None:
     _run_after_import(compat.CONFIG_MODULE, _patch_vllm_config)
     _run_after_import(compat.MODEL_RUNNER_MODULE, _patch_model_runner)
     _run_after_import(compat.SCHEDULER_MODULE, _patch_scheduler)
+    _run_after_import(compat.INPUT_PROCESSOR_MODULE, _patch_input_processor)
 
 
 # ---------------------------------------------------------------- backend selection
@@ -139,12 +148,19 @@ def _with_backend(additional_config: Any, backend: str) -> Any:
     return _with_setting(additional_config, _FLAG, BACKEND_KEY, backend, DEFAULT_BACKEND)
 
 
+def _with_replay_default(additional_config: Any, choice: str) -> Any:
+    """``additional_config`` with the replay default ``choice`` (``on``/``off``) selected,
+    as a bool (``_with_setting``)."""
+    value = replay.DEFAULT_CHOICES[choice]
+    return _with_setting(additional_config, replay.DEFAULT_FLAG, replay.DEFAULT_KEY, value, True)
+
+
 def _with_pd(additional_config: Any, mode: str) -> Any:
     """``additional_config`` with the P/D ``mode`` selected (``_with_setting``)."""
     return _with_setting(additional_config, pd.PD_FLAG, pd.PD_KEY, mode, pd.DEFAULT_PD)
 
 
-def _with_setting(additional_config: Any, flag: str, key: str, value: str, default: str) -> Any:
+def _with_setting(additional_config: Any, flag: str, key: str, value: Any, default: Any) -> Any:
     """``additional_config`` with ``flag``'s ``value`` under ``key``, as a new dict (the
     caller's is never edited). The ``default`` adds nothing, so a flag left at its default
     leaves vLLM's config (and its compile-cache hash) exactly as it is without the plugin.
@@ -187,6 +203,7 @@ def _patch_engine_args(module: ModuleType) -> None:
         parser = original_add(parser, *args, **kwargs)
         _add_backend_flag(parser)
         _add_pd_flag(parser)
+        _add_replay_default_flag(parser)
         return parser
 
     def from_cli_args_with_backend(cls, args, *rest, **kwargs):
@@ -197,11 +214,18 @@ def _patch_engine_args(module: ModuleType) -> None:
         mode = getattr(args, pd.PD_KEY, None)
         if mode is not None:
             engine_args.additional_config = _with_pd(engine_args.additional_config, mode)
+        choice = getattr(args, replay.DEFAULT_KEY, None)
+        if choice is not None:
+            engine_args.additional_config = _with_replay_default(
+                engine_args.additional_config, choice
+            )
         return engine_args
 
     def create_engine_config_checked(self, *args, **kwargs):
         vllm_config = create_engine_config(self, *args, **kwargs)
-        pd.check_pd(vllm_config, check_backend(vllm_config))
+        backend = check_backend(vllm_config)
+        pd.check_pd(vllm_config, backend)
+        replay.check_replay_default(vllm_config, backend)
         return vllm_config
 
     _mark_wrapper(add_cli_args_with_backend, original_add)
@@ -251,6 +275,26 @@ def _add_pd_flag(parser) -> None:
     )
 
 
+def _add_replay_default_flag(parser) -> None:
+    if replay.DEFAULT_FLAG in parser._option_string_actions:
+        return
+    anchor = parser._option_string_actions.get(_FLAG)
+    group = next((g for g in parser._action_groups if anchor in g._group_actions), parser)
+    group.add_argument(
+        replay.DEFAULT_FLAG,
+        choices=tuple(replay.DEFAULT_CHOICES),
+        default=None,
+        help=(
+            "Which requests get routed experts, from the r3capture plugin. 'on' (default): "
+            f"every request, unless it sets {replay.REPLAY_KEY}=false in "
+            "SamplingParams.extra_args (vllm_xargs over HTTP); 'off': only requests that set "
+            f"{replay.REPLAY_KEY}=true. A request without rows costs the host no per-row "
+            f"work. Needs {_FLAG} triton. Same as "
+            f"--additional-config '{{\"{replay.DEFAULT_KEY}\": false}}'."
+        ),
+    )
+
+
 # ------------------------------------------------- pipeline parallelism, P/D connectors
 def _patch_vllm_config(module: ModuleType) -> None:
     """vLLM refuses routed experts with PP > 1 and with P/D KV connectors. With ``triton``
@@ -287,12 +331,13 @@ def _mark_wrapper(wrapper: Callable, original: Callable) -> None:
     setattr(wrapper, _WRAPPED, True)
 
 
-# ---------------------------------------------------------------- P/D: the scheduler side
+# ------------------------------------------------------- the scheduler side: P/D, replay
 def _patch_scheduler(module: ModuleType) -> None:
-    """Under ``--aux-output-pd splice`` (with ``triton``), each ``Scheduler`` gets its
-    aux-output connector wrapped (``pd_scheduler.py``; on 0.32.x its KV cache manager's and KV
-    connector's hit lookups too): a decode-leg request returns only the rows it computed.
-    Any other configuration keeps vLLM's scheduler as it is."""
+    """Under ``triton`` each ``Scheduler`` gets its aux-output connector wrapped: under
+    ``--aux-output-pd splice`` first by ``pd_scheduler.py`` (on 0.32.x its KV cache manager's
+    and KV connector's hit lookups too), so a decode-leg request returns only the rows it
+    computed; then by ``replay.ReplaySchedulerConnector``, so an opted-out request returns
+    none. With ``torch`` vLLM's scheduler stays as it is."""
     scheduler_cls = getattr(module, compat.SCHEDULER_CLASS, None)
     original = getattr(scheduler_cls, compat.SCHEDULER_INIT_METHOD, None)
     if scheduler_cls is None or original is None:
@@ -305,13 +350,45 @@ def _patch_scheduler(module: ModuleType) -> None:
 
     def __init__(self, vllm_config, *args, **kwargs):
         original(self, vllm_config, *args, **kwargs)
-        if pd.check_pd(vllm_config, selected_backend(vllm_config)) == "splice":
+        backend = selected_backend(vllm_config)
+        mode = pd.check_pd(vllm_config, backend)
+        if backend != "triton":
+            return
+        if mode == "splice":
             from r3capture.aux_output.pd_scheduler import wrap_scheduler_connector
 
             wrap_scheduler_connector(self)
+        replay.wrap_for_replay(self, replay.replay_default(vllm_config))
 
     _mark_wrapper(__init__, original)
     setattr(scheduler_cls, compat.SCHEDULER_INIT_METHOD, __init__)
+
+
+# ---------------------------------------------------------------- request validation
+def _patch_input_processor(module: ModuleType) -> None:
+    """Under ``triton``, ``InputProcessor._validate_params`` (vLLM's check of every request's
+    sampling parameters, in the process that takes the request) also refuses a malformed
+    ``aux_output_replay`` (``replay.check_request``), with a ``ValueError`` that the OpenAI
+    server answers with 400. With ``torch`` it is vLLM's check alone."""
+    processor_cls = getattr(module, compat.INPUT_PROCESSOR_CLASS, None)
+    original = getattr(processor_cls, compat.VALIDATE_PARAMS_METHOD, None)
+    if original is None:
+        raise compat.UnsupportedVLLMError(
+            f"r3capture: {module.__name__} has no {compat.INPUT_PROCESSOR_CLASS}."
+            f"{compat.VALIDATE_PARAMS_METHOD}; this vLLM build ({compat.vllm_version()}) is "
+            "not one r3capture supports"
+        )
+    if getattr(original, _WRAPPED, False):
+        return
+
+    def _validate_params(self, params, *args, **kwargs):
+        result = original(self, params, *args, **kwargs)
+        if selected_backend(getattr(self, "vllm_config", None)) == "triton":
+            replay.check_request(params)
+        return result
+
+    _mark_wrapper(_validate_params, original)
+    setattr(processor_cls, compat.VALIDATE_PARAMS_METHOD, _validate_params)
 
 
 # ---------------------------------------------------------------- model runner hooks

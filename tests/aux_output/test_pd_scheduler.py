@@ -556,12 +556,15 @@ def test_the_scheduler_hook_wraps_only_under_splice_and_once():
     plugin._patch_scheduler(module)
     assert module.Scheduler.__init__ is init  # idempotent
     wrapped = module.Scheduler(_vllm_config())
-    assert isinstance(wrapped.aux_output_connector, PDSchedulerConnector)
-    wrap_scheduler_connector(wrapped)
-    assert not isinstance(wrapped.aux_output_connector._inner, PDSchedulerConnector)
-    for config in (_vllm_config(mode="off"), types.SimpleNamespace(additional_config=None)):
-        scheduler = module.Scheduler(config)
-        assert type(scheduler.aux_output_connector) is connector_033.AuxOutputSchedulerConnector
+    # Under triton the per-request replay wrapper (test_replay.py) is the outermost.
+    pd_wrapped = types.SimpleNamespace(aux_output_connector=wrapped.aux_output_connector._inner)
+    assert isinstance(pd_wrapped.aux_output_connector, PDSchedulerConnector)
+    wrap_scheduler_connector(pd_wrapped)
+    assert not isinstance(pd_wrapped.aux_output_connector._inner, PDSchedulerConnector)
+    scheduler = module.Scheduler(_vllm_config(mode="off"))
+    assert type(scheduler.aux_output_connector._inner) is connector_033.AuxOutputSchedulerConnector
+    scheduler = module.Scheduler(types.SimpleNamespace(additional_config=None))
+    assert type(scheduler.aux_output_connector) is connector_033.AuxOutputSchedulerConnector
     with pytest.raises(ValueError, match="splice needs --aux-output-backend triton"):
         module.Scheduler(_vllm_config(backend="torch"))
     # Routed experts off: vLLM builds no connector, nothing to wrap.
@@ -885,6 +888,8 @@ def test_on_032_the_scheduler_hook_installs_the_caps_only_under_splice(connector
     module.Scheduler = Scheduler
     plugin._patch_scheduler(module)
     scheduler = module.Scheduler(_vllm_config())
+    # Under triton the per-request replay wrapper (test_replay.py) is the outermost.
+    scheduler.aux_output_connector = scheduler.aux_output_connector._inner
     assert type(scheduler.aux_output_connector) is PDSchedulerConnector032
     manager, kv_connector = scheduler.kv_cache_manager, scheduler.connector
     installed = [manager.get_computed_blocks, manager.get_computed_blocks_for_connector]
@@ -894,7 +899,7 @@ def test_on_032_the_scheduler_hook_installs_the_caps_only_under_splice(connector
     assert manager.get_computed_blocks is installed[0]
     assert not hasattr(manager.get_computed_blocks.__wrapped__, "__wrapped__")
     plain = module.Scheduler(_vllm_config(mode="off"))
-    assert type(plain.aux_output_connector) is connector_032.AuxOutputSchedulerConnector
+    assert type(plain.aux_output_connector._inner) is connector_032.AuxOutputSchedulerConnector
     assert "get_computed_blocks" not in vars(plain.kv_cache_manager)
     assert "get_num_new_matched_tokens" not in vars(plain.connector)
     # No KV connector: only the local lookups are capped.
