@@ -3,12 +3,13 @@ difference (scheduler calls compared call by call; worker runs compared step by 
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import dataclasses
+from collections.abc import Callable, Collection
 from typing import Any
 
 import numpy as np
 
-from sim.engine import SimResult
+from sim.engine import SimResult, StepRecord
 
 
 class ConnectorMismatch(AssertionError):
@@ -139,6 +140,39 @@ def diff_results(reference: SimResult, candidate: SimResult) -> str | None:
     return None
 
 
+def diff_opted_in(
+    reference: SimResult, candidate: SimResult, opted_out: Collection[str]
+) -> str | None:
+    """First difference between a run of a trace where every request wants its rows
+    (``reference``) and a run of it where ``opted_out`` want none (``candidate``), or None
+    when: every step's batch is the same, its outputs are the reference's less those of
+    ``opted_out`` (which get none) and byte-identical, every request's ``take_output``
+    rows and final tokens are the reference's, and ``opted_out`` got no rows at all."""
+    opted_out = frozenset(opted_out)
+    steps = [
+        StepRecord(
+            step.index,
+            step.req_ids,
+            {k: v for k, v in step.outputs.items() if k not in opted_out},
+        )
+        for step in reference.steps
+    ]
+    diff = diff_results(dataclasses.replace(reference, steps=steps), candidate)
+    if diff is not None:
+        return diff
+    for req_id in sorted(opted_out & candidate.emitted.keys()):
+        return f"{req_id} opted out of rows but got {len(candidate.emitted[req_id])} chunks"
+    if reference.final_tokens != candidate.final_tokens:
+        return "final tokens differ"
+    for req_id, chunks in reference.emitted.items():
+        if req_id in opted_out:
+            continue
+        got = [(start, rows.tobytes()) for start, rows in candidate.emitted.get(req_id, [])]
+        if got != [(start, rows.tobytes()) for start, rows in chunks]:
+            return f"{req_id}: take_output rows differ"
+    return None
+
+
 def only_reference_fails(reference: SimResult, candidate: SimResult) -> bool:
     """Whether two runs of one trace that ``diff_results`` tells apart differ because the
     reference failed: the candidate ran clean with every row the routing oracle's, and the
@@ -173,6 +207,7 @@ def tee_factory(
 __all__ = [
     "ConnectorMismatch",
     "TeeSchedulerConnector",
+    "diff_opted_in",
     "diff_results",
     "normalize_meta",
     "only_reference_fails",

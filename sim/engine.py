@@ -69,6 +69,21 @@ def vllm_scheduler(kv: KVCacheDouble, kv_connector: Any) -> Any:
     return AuxOutputSchedulerConnector(kv, kv_connector)
 
 
+def replay_scheduler(
+    default: bool = True, inner: SchedulerFactory = vllm_scheduler
+) -> SchedulerFactory:
+    """Scheduler factory: ``inner``'s connector wrapped as r3capture wraps vLLM's under
+    ``--aux-output-backend triton`` (``replay.ReplaySchedulerConnector``: opted-out requests
+    get no rows), ``default`` being the engine's ``--aux-output-replay-default``."""
+
+    def build(kv: KVCacheDouble, kv_connector: Any) -> Any:
+        from r3capture.aux_output.replay import ReplaySchedulerConnector
+
+        return ReplaySchedulerConnector(inner(kv, kv_connector), default=default)
+
+    return build
+
+
 class SimEngine:
     """Runs one trace through one scheduler connector and one worker connector."""
 
@@ -221,6 +236,7 @@ __all__ = [
     "StepRecord",
     "default_max_bytes",
     "r3capture_scheduler",
+    "replay_scheduler",
     "run_trace",
     "vllm_scheduler",
     "worker_sizes",

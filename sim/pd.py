@@ -26,6 +26,11 @@ which the scheduler rewinds and recomputes once the load lands; a synchronous co
 * against the same trace under vLLM's own connector and worker (which caps every decode-leg
   hit, so it recomputes their prompts), where that run is clean: equal final tokens, a plain
   request's rows byte-identical, a decode-leg request's rows the tail of vLLM's.
+
+``check_pd_case(seed, opt_out=share)`` also opts about ``share`` of the requests out of
+routed experts (``Trace.with_opt_outs``; the connector then also wrapped as under
+``triton``, ``replay.ReplaySchedulerConnector``, outermost): those get no rows, the others
+are checked as above against vLLM's run with every request opted in.
 """
 
 from __future__ import annotations
@@ -34,7 +39,7 @@ import dataclasses
 import random
 from typing import Any
 
-from sim.engine import SimResult, run_trace, vllm_scheduler
+from sim.engine import SimResult, replay_scheduler, run_trace, vllm_scheduler
 from sim.records import FINISHED_STOPPED, SimStats
 from sim.trace import Trace, random_trace
 from sim.workers import make_vllm_worker, r3capture_worker_factory
@@ -102,16 +107,25 @@ def pd_trace(seed: int, **overrides: object) -> Trace:
 
 
 def run_pd(trace: Trace) -> SimResult:
-    """The trace through the P/D decoder: wrapped connector, r3capture's worker under
-    ``splice`` (reference kernel); errors caught, nothing checked."""
+    """The trace through the P/D decoder: wrapped connector (as under ``triton`` too when
+    some request opts out of rows), r3capture's worker under ``splice`` (reference kernel);
+    errors caught, nothing checked."""
     factory = r3capture_worker_factory(kernel_impl="reference", partial_first_ok=True)
-    return run_trace(trace, factory, scheduler_factory=pd_scheduler, catch_errors=True, check=False)
+    scheduler = pd_scheduler
+    if trace.opted_out():
+        scheduler = replay_scheduler(trace.config.replay_default, pd_scheduler)
+    return run_trace(trace, factory, scheduler_factory=scheduler, catch_errors=True, check=False)
 
 
-def check_pd_case(seed: int, **overrides: object) -> tuple[str | None, SimStats]:
-    """Run ``pd_trace(seed, **overrides)``; returns (None when every check passes (module
-    docstring), else what failed first; the P/D run's counters)."""
+def check_pd_case(
+    seed: int, *, opt_out: float = 0.0, **overrides: object
+) -> tuple[str | None, SimStats]:
+    """Run ``pd_trace(seed, **overrides)``, with about ``opt_out`` of its requests opting
+    out of routed experts; returns (None when every check passes (module docstring), else
+    what failed first; the P/D run's counters)."""
     trace = pd_trace(seed, **overrides)
+    if opt_out:
+        trace = trace.with_opt_outs(opt_out)
     got = run_pd(trace)
     return _problem(trace, got), got.stats
 
@@ -129,7 +143,11 @@ def _problem(trace: Trace, got: SimResult) -> str | None:
     if problem is not None:
         return problem
     ref = run_trace(
-        trace, make_vllm_worker, scheduler_factory=vllm_scheduler, catch_errors=True, check=False
+        trace.all_opted_in(),
+        make_vllm_worker,
+        scheduler_factory=vllm_scheduler,
+        catch_errors=True,
+        check=False,
     )
     return None if ref.error is not None else _against_vllm(trace, got, ref)
 
@@ -148,6 +166,7 @@ def _emit_start_problem(trace: Trace, got: SimResult) -> str | None:
 
 
 def _against_vllm(trace: Trace, got: SimResult, ref: SimResult) -> str | None:
+    opted_out = trace.opted_out()
     for spec in trace.requests:
         req_id = spec.req_id
         stopped = (got.finish_status.get(req_id), ref.finish_status.get(req_id))
@@ -155,6 +174,8 @@ def _against_vllm(trace: Trace, got: SimResult, ref: SimResult) -> str | None:
             continue  # aborts land at other points of a run scheduled otherwise
         if got.final_tokens[req_id] != ref.final_tokens[req_id]:
             return f"{req_id}: final tokens differ from vLLM's run"
+        if req_id in opted_out:
+            continue  # no rows (check_ground_truth)
         rows, want = got.rows(req_id), ref.rows(req_id)
         skip = got.emit_start[req_id] - ref.emit_start[req_id]
         if spec.remote_prefill is None and skip:

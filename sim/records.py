@@ -34,7 +34,10 @@ class SimRequest:
         self.all_token_ids = list(spec.prompt)
         self.hash_block_size = hash_block_size
         self.block_hashes: list[bytes] = block_hashes_for(self.all_token_ids, hash_block_size)
-        self.sampling_params = SimpleNamespace(routed_experts_prompt_start=spec.prompt_start)
+        extra_args = None if spec.replay is None else {"aux_output_replay": spec.replay}
+        self.sampling_params = SimpleNamespace(
+            routed_experts_prompt_start=spec.prompt_start, extra_args=extra_args
+        )
         # Decode-leg requests carry what a router sends; the KV connector clears the flag.
         self.kv_transfer_params = (
             None if spec.remote_prefill is None else {"do_remote_prefill": True}
@@ -196,7 +199,8 @@ class SimResult:
     def check_ground_truth(self) -> int:
         """Assert every request's rows equal the oracle's for its final tokens; returns the
         number of rows checked. Rows are contiguous from the first emit start; a request
-        that finished normally covers ``[emit_start, num_tokens - 1)`` exactly."""
+        that finished normally covers ``[emit_start, num_tokens - 1)`` exactly; a request
+        that wants no rows (``Trace.opted_out``) returned none."""
         if self.error is not None:
             raise AssertionError(
                 f"run failed at step {self.error.step} ({self.error.phase}): "
@@ -207,8 +211,13 @@ class SimResult:
             model.num_layers, model.top_k, model.num_experts, model.num_dense_layers
         )
         checked = 0
+        opted_out = self.trace.opted_out()
         for req_id, tokens in self.final_tokens.items():
             chunks = self.emitted.get(req_id, [])
+            if req_id in opted_out:
+                if chunks:
+                    raise AssertionError(f"{req_id} opted out of rows, but got {len(chunks)}")
+                continue
             start = self.emit_start.get(req_id)
             cursor = start
             for token_start, rows in chunks:

@@ -56,7 +56,8 @@ class EngineConfig:
     preempted request's output still in flight is then dropped, and the request may be
     scheduled again while it is. ``remote_prefill`` adds a P/D KV connector (NIXL's decoder
     side) that loads the prompt KV of decode-leg requests (``RequestSpec.remote_prefill``)
-    from a prefiller, asynchronously with ``async_kv_load``.
+    from a prefiller, asynchronously with ``async_kv_load``. ``replay_default``: whether a
+    request that does not say gets routed experts (``--aux-output-replay-default``).
     """
 
     block_size: int = 16
@@ -76,6 +77,7 @@ class EngineConfig:
     pad_tokens_to: int = 0
     kv_delivery: bool = False
     remote_prefill: bool = False
+    replay_default: bool = True
 
 
 @dataclass(frozen=True)
@@ -89,7 +91,9 @@ class RequestSpec:
     ``remote_prefill``: a decode-leg request (``kv_transfer_params`` with
     ``do_remote_prefill``) whose first ``remote_prefill`` prompt tokens' KV a prefiller
     computed (the prompt less NIXL's prefill backoff); None for other requests.
-    ``load_steps``: steps an asynchronous KV load of it takes."""
+    ``load_steps``: steps an asynchronous KV load of it takes. ``replay``: its
+    ``extra_args["aux_output_replay"]`` (whether it wants its routed experts); None leaves
+    the key out (the engine's ``replay_default``)."""
 
     req_id: str
     prompt: tuple[int, ...]
@@ -102,6 +106,11 @@ class RequestSpec:
     accept_prob: float | None = None
     remote_prefill: int | None = None
     load_steps: int = 1
+    replay: bool | None = None
+
+    def gets_rows(self, config: EngineConfig) -> bool:
+        """Whether this request wants its routed experts on an engine of ``config``."""
+        return config.replay_default if self.replay is None else self.replay
 
 
 @dataclass(frozen=True)
@@ -120,6 +129,37 @@ class Trace:
 
     def with_config(self, **changes: object) -> Trace:
         return dataclasses.replace(self, config=dataclasses.replace(self.config, **changes))
+
+    def opted_out(self) -> frozenset[str]:
+        """Ids of the requests that want no routed experts."""
+        return frozenset(q.req_id for q in self.requests if not q.gets_rows(self.config))
+
+    def all_opted_in(self) -> Trace:
+        """This trace with every request wanting its rows (the switch left out): what vLLM
+        0.33.0, which has no switch, runs."""
+        requests = tuple(dataclasses.replace(q, replay=None) for q in self.requests)
+        return self.replace(requests=requests).with_config(replay_default=True)
+
+    def with_opt_outs(self, share: float, *, seed: int | None = None) -> Trace:
+        """This trace with about ``share`` of its requests opting out of routed experts
+        (``replay=False``), drawn from a generator of its own (``seed``, default the
+        trace's), so the rest of the trace is as it was; of the others, a third say
+        ``replay=True`` explicitly and the rest leave the key out. Under
+        ``replay_default=False`` those that leave it out get no rows either."""
+        if not 0.0 <= share <= 1.0:
+            raise ValueError(f"share must be in [0, 1], got {share}")
+        r = np.random.default_rng([self.seed if seed is None else seed, 0x0F7])
+        requests = []
+        for q in self.requests:
+            roll = r.random()
+            if roll < share:
+                replay = False
+            elif roll < share + (1 - share) / 3:
+                replay = True
+            else:
+                replay = None
+            requests.append(dataclasses.replace(q, replay=replay))
+        return self.replace(requests=tuple(requests), name=f"{self.name}-optout{share:g}")
 
 
 class _Gen:

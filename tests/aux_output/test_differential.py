@@ -9,6 +9,7 @@ routing oracle. Scripted protocol violations must raise the same kind of error.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from types import SimpleNamespace
 
@@ -25,9 +26,11 @@ from sim import (
     make_trace,
     make_vllm_worker,
     r3capture_worker_factory,
+    replay_scheduler,
     run_trace,
+    vllm_scheduler,
 )
-from sim.compare import diff_results, same_error
+from sim.compare import diff_opted_in, diff_results, same_error
 from sim.request_indices import RequestIndices
 
 pytest.importorskip("vllm.distributed.aux_output_connector.worker")
@@ -101,6 +104,79 @@ def test_eviction_without_capping_fails_the_same_way():
 def test_triton_kernel_byte_identical(scenario):
     trace = make_trace(scenario, seed=3, size="tiny")
     _differential(trace, r3capture_worker_factory(kernel_impl="auto"))
+
+
+# ---------------------------------------------------------------- per-request routed experts
+
+
+def _opted_out_differential(trace, factory=REFERENCE):
+    """``trace`` (some requests opted out of routed experts) through vLLM 0.33.0's scheduler
+    connector wrapped as under ``triton`` and r3capture's worker, against vLLM's connector and
+    worker on the same trace with every request opted in (vLLM has no switch)."""
+    ref = run_trace(
+        trace.all_opted_in(),
+        make_vllm_worker,
+        scheduler_factory=vllm_scheduler,
+        catch_errors=True,
+        check=False,
+    )
+    got = run_trace(
+        trace,
+        factory,
+        scheduler_factory=replay_scheduler(trace.config.replay_default),
+        catch_errors=True,
+        check=False,
+    )
+    assert ref.error is None, ref.error
+    assert trace.opted_out(), "the trace opts no request out"
+    assert diff_opted_in(ref, got, trace.opted_out()) is None, diff_opted_in(
+        ref, got, trace.opted_out()
+    )
+    got.check_ground_truth()
+    return ref, got
+
+
+@pytest.mark.parametrize("scenario", sorted(SCENARIOS))
+def test_opted_out_requests_emit_nothing_and_the_others_are_byte_identical(scenario):
+    _opted_out_differential(make_trace(scenario, seed=0).with_opt_outs(0.5))
+
+
+@pytest.mark.parametrize("scenario", ["multi_turn", "shared_prefix", "preemption", "reset"])
+@pytest.mark.parametrize("vector_operations", [False, True])
+def test_under_an_opt_in_default_with_either_commit(scenario, vector_operations, monkeypatch):
+    """``--aux-output-replay-default off``: only requests that ask get rows; the small-step
+    commit and the vector one (forced) both keep the emit start no request reaches."""
+    if vector_operations:
+        monkeypatch.setattr(small_step, "PER_REQUEST_MAX", 0)
+        monkeypatch.setattr(publisher, "PER_ROW_MAX", 0)
+    trace = make_trace(scenario, seed=1).with_opt_outs(0.3).with_config(replay_default=False)
+    _opted_out_differential(trace)
+
+
+@pytest.mark.parametrize("first_opted_out", [True, False])
+def test_prefix_hits_across_opted_in_and_opted_out_turns(first_opted_out):
+    """Conversations whose turns alternate between the two kinds: a turn that wants rows hits
+    the blocks an opted-out turn computed, and gets every row of its prompt from them (the
+    opted-out turn's rows were captured and published), byte for byte vLLM's."""
+    base = make_trace("multi_turn", seed=2, max_concurrent_batches=2)
+    turns: dict[str, int] = {}
+    requests = []
+    for q in base.requests:
+        turns[q.req_id] = 0 if q.after is None else turns[q.after] + 1
+        opted_out = (turns[q.req_id] % 2 == 0) == first_opted_out
+        requests.append(dataclasses.replace(q, replay=False if opted_out else None))
+    trace = base.replace(requests=tuple(requests))
+    _, got = _opted_out_differential(trace)
+    opted_out = trace.opted_out()
+    crossing = [
+        q.req_id
+        for q in trace.requests
+        if q.after in opted_out
+        and q.req_id not in opted_out
+        and got.emit_start[q.req_id] == 0
+        and got.first_computed[q.req_id] > 0
+    ]
+    assert len(crossing) >= 3, crossing
 
 
 # ---------------------------------------------------------------- scripted protocol errors

@@ -61,6 +61,15 @@ def test_pd_traces_return_the_oracles_rows_and_vllms_for_plain_requests():
     assert seeds_with("whole_prompt_hits_sync") >= 0.15 * len(SEEDS)
 
 
+def test_pd_traces_with_opted_out_requests():
+    """Half of the requests (decode-leg ones and plain ones, which hit each other's blocks)
+    opt out of routed experts: they get none, and every other request is checked as above
+    against vLLM's run with every request opted in."""
+    failed, totals = _failures(range(60), opt_out=0.5)
+    assert not failed, "\n".join(f"seed {s}: {p}" for s, p in failed.items())
+    assert sum(value > 0 for value in totals["remote_hits_unaligned"]) >= 30
+
+
 def test_without_the_partial_block_mark_a_plain_request_reads_rows_never_computed():
     """The block an unaligned hit ends in, left out of the rowless set: a plain next turn
     hits it once the decode-leg request's output completed it, and its rows are not in the

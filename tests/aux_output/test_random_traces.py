@@ -22,10 +22,11 @@ from sim import (
     r3capture_scheduler,
     r3capture_worker_factory,
     random_trace,
+    replay_scheduler,
     run_trace,
     vllm_scheduler,
 )
-from sim.compare import diff_results, tee_factory
+from sim.compare import diff_opted_in, diff_results, tee_factory
 from sim.trace import ROLLOUTS
 
 pytest.importorskip("vllm.distributed.aux_output_connector.worker")
@@ -97,6 +98,51 @@ def test_random_trace_workers_byte_identical_on_the_narrowest_device_ring(
     assert device_width < width
     assert diff_results(ref, got) is None, diff_results(ref, got)
     assert ref.error is None, ref.error
+
+
+@SETTINGS
+@given(
+    seed=SEEDS,
+    share=st.sampled_from([0.2, 0.5, 0.9]),
+    opt_in_default=st.booleans(),
+    vector_operations=st.booleans(),
+    rollout=st.sampled_from([None, *ROLLOUTS]),
+)
+def test_random_trace_with_opted_out_requests(
+    seed, share, opt_in_default, vector_operations, rollout
+):
+    """A share of the requests opt out of routed experts (``--aux-output-replay-default off``
+    too: then only those that ask get rows), with the random traces' prefix hits across
+    requests of both kinds, preemptions, resets, drafts and aborts: through vLLM 0.33.0's
+    scheduler connector as r3capture wraps it and r3capture's worker, every request that
+    wants rows gets vLLM's bytes (vLLM's connector and worker on the same trace with every
+    request opted in) and every other request none."""
+    trace = random_trace(seed, rollout=rollout).with_opt_outs(share)
+    if opt_in_default:
+        trace = trace.with_config(replay_default=False)
+    ref = run_trace(
+        trace.all_opted_in(),
+        make_vllm_worker,
+        scheduler_factory=vllm_scheduler,
+        catch_errors=True,
+        check=False,
+    )
+    factory = r3capture_worker_factory(kernel_impl="reference")
+    limits = ((small_step, "PER_REQUEST_MAX"), (publisher, "PER_ROW_MAX"))
+    with contextlib.ExitStack() as stack:
+        for module, name in limits if vector_operations else ():
+            stack.enter_context(mock.patch.object(module, name, 0))
+        got = run_trace(
+            trace,
+            factory,
+            scheduler_factory=replay_scheduler(not opt_in_default),
+            catch_errors=True,
+            check=False,
+        )
+    assert ref.error is None, ref.error
+    diff = diff_opted_in(ref, got, trace.opted_out())
+    assert diff is None, diff
+    got.check_ground_truth()
 
 
 # Engine shapes ``random_trace`` leaves out: hash blocks of 1, 3, 5 and 16 tokens, one
