@@ -150,3 +150,32 @@ EXTERNAL_HIT_METHOD = "get_num_new_matched_tokens"
 INPUT_PROCESSOR_MODULE = "vllm.v1.engine.input_processor"
 INPUT_PROCESSOR_CLASS = "InputProcessor"
 VALIDATE_PARAMS_METHOD = "_validate_params"
+# vLLM's OpenAI server answers a request error that is a ``VLLMClientError`` (in
+# VALIDATION_ERROR_MODULE; ``VLLMValidationError(message, parameter=, value=)``) with 400,
+# naming the parameter; ``AsyncLLM.generate`` turns any other exception from admitting a
+# request, a plain ValueError included, into an empty ``EngineGenerateError``: a 500.
+VALIDATION_ERROR_MODULE = "vllm.exceptions"
+VALIDATION_ERROR_CLASS = "VLLMValidationError"
+
+
+@functools.cache
+def _request_error_class() -> type[ValueError] | None:
+    try:
+        base = getattr(importlib.import_module(VALIDATION_ERROR_MODULE), VALIDATION_ERROR_CLASS)
+    except (ImportError, AttributeError):
+        return None
+    return type(
+        "AuxOutputRequestError",
+        (base, ValueError),
+        {"__doc__": "A request refused by r3capture: a ValueError and vLLM's validation error."},
+    )
+
+
+def request_error(message: str, *, parameter: str, value: object) -> ValueError:
+    """The error refusing a request's ``parameter`` (``value``): a ``ValueError`` that is
+    also vLLM's ``VLLMValidationError`` where vLLM has one, so its OpenAI server answers 400
+    naming the parameter, and ``LLM`` callers can catch ``ValueError``."""
+    cls = _request_error_class()
+    if cls is None:
+        return ValueError(message)
+    return cls(message, parameter=parameter, value=value)

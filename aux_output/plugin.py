@@ -368,8 +368,10 @@ def _patch_scheduler(module: ModuleType) -> None:
 def _patch_input_processor(module: ModuleType) -> None:
     """Under ``triton``, ``InputProcessor._validate_params`` (vLLM's check of every request's
     sampling parameters, in the process that takes the request) also refuses a malformed
-    ``aux_output_replay`` (``replay.check_request``), with a ``ValueError`` that the OpenAI
-    server answers with 400. With ``torch`` it is vLLM's check alone."""
+    ``aux_output_replay`` (``replay.check_request``), with a ``ValueError`` that is also
+    vLLM's validation error (``compat.request_error``), which the OpenAI server answers with
+    400 (a bare ``ValueError`` would be a 500 there). With ``torch`` it is vLLM's check
+    alone."""
     processor_cls = getattr(module, compat.INPUT_PROCESSOR_CLASS, None)
     original = getattr(processor_cls, compat.VALIDATE_PARAMS_METHOD, None)
     if original is None:
@@ -384,7 +386,13 @@ def _patch_input_processor(module: ModuleType) -> None:
     def _validate_params(self, params, *args, **kwargs):
         result = original(self, params, *args, **kwargs)
         if selected_backend(getattr(self, "vllm_config", None)) == "triton":
-            replay.check_request(params)
+            try:
+                replay.check_request(params)
+            except ValueError as error:
+                value = params.extra_args[replay.REPLAY_KEY]
+                raise compat.request_error(
+                    str(error), parameter=replay.REPLAY_KEY, value=value
+                ) from None
         return result
 
     _mark_wrapper(_validate_params, original)

@@ -46,7 +46,11 @@ def main(model_dir: str) -> None:
             processor._validate_params(params, ("generate",))
             answers[name] = "accepted"
         except ValueError as error:
-            answers[name] = f"{type(error).__name__}: {error}"
+            from vllm.exceptions import VLLMClientError
+
+            # What the OpenAI server answers with 400 (AsyncLLM passes it on).
+            kind = "client error" if isinstance(error, VLLMClientError) else "ValueError"
+            answers[name] = f"{kind}: {error}"
     seen["admission"] = answers
     print("PROBE " + json.dumps(seen), flush=True)
 

@@ -174,7 +174,7 @@ def test_on_vllm_033_the_flag_and_the_admission_check_through_vllms_own_entry_po
     admission = seen["admission"]
     assert admission["false"] == admission["zero"] == "accepted"
     for bad in ("string", "two"):
-        assert admission[bad].startswith("ValueError: aux_output_replay must be a boolean")
+        assert admission[bad].startswith("client error: aux_output_replay must be a boolean")
 
 
 # ------------------------------------------------------------------ the scheduler side
@@ -385,8 +385,15 @@ def test_under_triton_the_input_processor_refuses_a_malformed_switch():
     good = types.SimpleNamespace(extra_args={REPLAY_KEY: 0})
     triton = module.InputProcessor(_config())
     assert triton._validate_params(good, ("generate",)) == "watermarking"
-    with pytest.raises(ValueError, match="aux_output_replay must be a boolean"):
+    with pytest.raises(ValueError, match="aux_output_replay must be a boolean") as refused:
         triton._validate_params(bad, ("generate",))
+    # Also vLLM's validation error: the OpenAI server answers it with 400 naming the key
+    # (AsyncLLM turns a bare ValueError from admission into a 500).
+    from vllm.exceptions import VLLMClientError, VLLMValidationError
+
+    assert isinstance(refused.value, VLLMValidationError)
+    assert isinstance(refused.value, VLLMClientError)
+    assert (refused.value.parameter, refused.value.value) == (REPLAY_KEY, "false")
     with pytest.raises(ValueError, match="vLLM's own check"):
         triton._validate_params(types.SimpleNamespace(bad=True), ())
     # vLLM's own backend: vLLM's check only (it ignores the key and returns every row).
