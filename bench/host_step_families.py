@@ -394,6 +394,23 @@ def full_store() -> Family:
     return Family("full-store", text, build)
 
 
+def opted_out(base: Family) -> Family:
+    """``base`` with half of its requests opting out of routed experts (``aux_output_replay
+    = False``: evaluation, judge or teacher requests beside the rollouts), chosen by a
+    generator of their own, so the trace is otherwise ``base``'s: its host time per step
+    against ``base``'s is what the switch saves."""
+    name = f"{base.name}{OPT_OUT_SUFFIX}"
+
+    def build(model: ModelShape, depth: int, seed: int) -> Trace:
+        trace = base.build(model, depth, seed).with_opt_outs(0.5)
+        return trace.replace(name=name, notes=f"{trace.notes}; half of the requests opted out")
+
+    return Family(name, f"{base.description}; half of the requests opted out of their rows", build)
+
+
+OPT_OUT_SUFFIX = "-optout50"
+
+
 # Requests running at once in the full-store family, which sizes its KV cache: each lives
 # ~55 steps (a few of prefill, 32-64 of decode), so ~4.5 arrival waves of 16 run together;
 # and the KV blocks of its mean request (2,560 prompt and 48 output tokens, one block of
@@ -423,6 +440,8 @@ FAMILIES: dict[str, Family] = {
         n_samples(),
         agentic(),
         full_store(),
+        opted_out(decode(128)),
+        opted_out(multi_turn("short")),
     )
 }
 
@@ -439,17 +458,21 @@ _SIZED = (
 def family(name: str) -> Family:
     """The family called ``name``: one of ``FAMILIES``, or ``decode-N`` (N requests,
     1 <= N <= ``MAX_DECODE_BATCH``) or ``spec-kN`` (N drafts, 1 <= N <= ``MAX_SPEC_K``) at a
-    size ``FAMILIES`` does not list. Raises ``KeyError`` naming what is accepted."""
+    size ``FAMILIES`` does not list, or any of them with ``-optout50`` (half of its requests
+    opted out of routed experts). Raises ``KeyError`` naming what is accepted."""
     found = FAMILIES.get(name)
     if found is not None:
         return found
+    if name.endswith(OPT_OUT_SUFFIX) and len(name) > len(OPT_OUT_SUFFIX):
+        return opted_out(family(name.removesuffix(OPT_OUT_SUFFIX)))
     for pattern, make, limit in _SIZED:
         match = pattern.fullmatch(name)
         if match and int(match.group(1)) <= limit:
             return make(int(match.group(1)))
     raise KeyError(
         f"unknown host_step family {name!r}: one of {', '.join(FAMILIES)}, or "
-        f"decode-N (1 <= N <= {MAX_DECODE_BATCH}) or spec-kN (1 <= N <= {MAX_SPEC_K})"
+        f"decode-N (1 <= N <= {MAX_DECODE_BATCH}) or spec-kN (1 <= N <= {MAX_SPEC_K}), "
+        f"each also with {OPT_OUT_SUFFIX}"
     )
 
 

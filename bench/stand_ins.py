@@ -177,6 +177,13 @@ ABLATIONS = {
         ("r3capture.aux_output.request_book", "checked_batch_arrays"),
         ("r3capture.aux_output.step_launcher", "check_alloc_step_args"),
     ),
+    # Publication: block hashes becoming keys, blocks bound to them, pins, teardown. Not
+    # capturing opted-out requests' rows (issue 60) could save at most their share of it.
+    "publication": (
+        ("r3capture.aux_output.key_work", "KeyWorkQueue.apply"),
+        ("r3capture.aux_output.publisher", "Publisher.publish"),
+        ("r3capture.aux_output.publisher", "Publisher.flush"),
+    ),
 }
 
 

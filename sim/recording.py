@@ -33,7 +33,7 @@ from typing import Any, BinaryIO
 
 import numpy as np
 
-from sim.engine import r3capture_scheduler, run_trace, vllm_scheduler
+from sim.engine import r3capture_scheduler, replay_scheduler, run_trace, vllm_scheduler
 from sim.trace import Trace
 from sim.workers import WorkerHandle, WorkerSizing, make_vllm_worker
 
@@ -336,10 +336,16 @@ def record_trace(
     check: bool = True,
 ) -> Recording:
     """Run ``trace`` through the simulator (vLLM 0.33.0's scheduler connector by default,
-    ``scheduler="r3capture"`` for the simulator's own) and record the worker calls. With
-    ``directory`` the rows stream to ``directory/rows.bin`` and the recording is saved
-    there. ``check``: verify the run against the routing oracle (when it ran to the end)."""
+    ``scheduler="r3capture"`` for the simulator's own) and record the worker calls. A trace
+    whose requests may opt out of routed experts (``Trace.opted_out``) runs with that
+    connector wrapped as r3capture wraps vLLM's (``replay_scheduler``), so the recording
+    holds the emit starts that worker gets. With ``directory`` the rows stream to
+    ``directory/rows.bin`` and the recording is saved there. ``check``: verify the run
+    against the routing oracle (when it ran to the end)."""
     schedulers = {"vllm": vllm_scheduler, "r3capture": r3capture_scheduler}
+    scheduler_factory = schedulers[scheduler]
+    if trace.opted_out():
+        scheduler_factory = replay_scheduler(trace.config.replay_default, scheduler_factory)
     handles: list[RecordingHandle] = []
     rows_path = None if directory is None else directory / "rows.bin"
     if directory is not None:
@@ -355,7 +361,7 @@ def record_trace(
         result = run_trace(
             trace,
             factory,
-            scheduler_factory=schedulers[scheduler],
+            scheduler_factory=scheduler_factory,
             catch_errors=True,
             check=check,
         )
@@ -385,6 +391,8 @@ def record_trace(
             "drafts": stats.drafts,
             "rejected_drafts": stats.rejected_drafts,
             "requests": len(trace.requests),
+            "opted_out": len(trace.opted_out()),
+            "emitted_rows": stats.emitted_rows,
         },
     )
     if result.error is not None and recording.error is None:

@@ -141,24 +141,22 @@ class Trace:
         return self.replace(requests=requests).with_config(replay_default=True)
 
     def with_opt_outs(self, share: float, *, seed: int | None = None) -> Trace:
-        """This trace with about ``share`` of its requests opting out of routed experts
-        (``replay=False``), drawn from a generator of its own (``seed``, default the
+        """This trace with ``share`` of its requests (rounded) opting out of routed experts
+        (``replay=False``), chosen by a generator of its own (``seed``, default the
         trace's), so the rest of the trace is as it was; of the others, a third say
         ``replay=True`` explicitly and the rest leave the key out. Under
         ``replay_default=False`` those that leave it out get no rows either."""
         if not 0.0 <= share <= 1.0:
             raise ValueError(f"share must be in [0, 1], got {share}")
         r = np.random.default_rng([self.seed if seed is None else seed, 0x0F7])
-        requests = []
-        for q in self.requests:
-            roll = r.random()
-            if roll < share:
-                replay = False
-            elif roll < share + (1 - share) / 3:
-                replay = True
-            else:
-                replay = None
-            requests.append(dataclasses.replace(q, replay=replay))
+        order = r.permutation(len(self.requests)).tolist()
+        num_out = round(share * len(order))
+        num_explicit = (len(order) - num_out) // 3
+        replays = dict.fromkeys(order[:num_out], False)
+        replays.update(dict.fromkeys(order[num_out : num_out + num_explicit], True))
+        requests = [
+            dataclasses.replace(q, replay=replays.get(i)) for i, q in enumerate(self.requests)
+        ]
         return self.replace(requests=tuple(requests), name=f"{self.name}-optout{share:g}")
 
 

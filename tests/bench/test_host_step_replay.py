@@ -7,6 +7,7 @@ step for step; the kernel stand-in must keep r3capture's kernel out of the timed
 
 from __future__ import annotations
 
+import dataclasses
 import time
 
 import numpy as np
@@ -282,6 +283,35 @@ def test_free_parts_take_their_whole_time_out_of_the_calls(monkeypatch):
     assert free.excluded_cpu_ns >= 2 * slow_ns * len(forward)
 
 
+def test_publication_counted_free_leaves_the_outputs_and_takes_its_time_out(monkeypatch):
+    """``--free publication``: keys, binding, pins and teardown still run (later prefix hits
+    read what they bound), their time is excluded from the calls that made them (here each
+    store call made 2 ms slower: every process_output that binds pays it, unless free)."""
+    from r3capture.aux_output.publisher import Publisher
+
+    recording = record_trace(make_trace("multi_turn", seed=0))
+    slow_ns = 2_000_000
+    flushes = []
+    slow_flush = _slow(Publisher.flush, slow_ns)
+
+    def flush(self):
+        flushes.append(len(self._queued))
+        return slow_flush(self)
+
+    monkeypatch.setattr(Publisher, "flush", flush)
+    process = CALLS.index("process_output")
+    with KernelStandIn() as exclusion:
+        plain = replay(recording, "r3capture", exclusion=exclusion)
+        binding = len(flushes) - flushes.count(0)
+        with FreeParts(exclusion, ["publication"]):
+            free = replay(recording, "r3capture", exclusion=exclusion)
+    assert Publisher.flush is flush  # restored
+    assert plain.digests == free.digests == recording.digests
+    assert binding > 10
+    spent = plain.calls[process, :, 1].sum() - free.calls[process, :, 1].sum()
+    assert spent >= binding * slow_ns * 0.9, (spent, binding)
+
+
 def test_free_parts_refuses_an_unknown_part(capsys):
     # slot-planning named host work that no longer exists (the kernel takes the slots).
     for gone in ("slot-taking", "slot-planning"):
@@ -446,6 +476,48 @@ def test_families_at_sizes_the_registry_does_not_list(capsys):
     assert exited.value.code == 2
     refused = capsys.readouterr().err.split("unknown")[-1]
     assert "'decode-0'" in refused and "decode-48" not in refused
+
+
+def test_the_opted_out_families_are_their_base_with_half_of_the_requests_opted_out():
+    """``X-optout50`` is family ``X``'s trace (same requests, tokens and engine) with half of
+    its requests opting out of routed experts, for any family name."""
+    from bench.host_step_families import family
+    from bench.models import QWEN3_30B_A3B
+    from sim.trace import RequestSpec
+
+    for name in ("decode-128", "multi-turn-short", "decode-48", "spec-k2"):
+        base = family(name).build(QWEN3_30B_A3B, 2, 0)
+        half = family(f"{name}-optout50").build(QWEN3_30B_A3B, 2, 0)
+        assert half.name == f"{name}-optout50" and half.config == base.config
+        strip = [dataclasses.replace(q, replay=None) for q in half.requests]
+        assert strip == list(base.requests)
+        assert len(half.opted_out()) == round(len(half.requests) / 2)
+        assert isinstance(half.requests[0], RequestSpec)
+    assert "decode-128-optout50" in FAMILIES and "multi-turn-short-optout50" in FAMILIES
+    with pytest.raises(KeyError, match="-optout50"):
+        family("-optout50")
+
+
+def test_a_recording_of_opted_out_requests_replays_without_their_rows():
+    """An opted-out trace is recorded through vLLM's connector wrapped as under ``triton``:
+    its opted-out requests' emit starts are the one no request reaches, and both connectors'
+    replays reproduce the simulator, in which those requests return nothing."""
+    from r3capture.aux_output.replay import NO_EMIT_START
+
+    trace = make_trace("multi_turn", seed=0).with_opt_outs(0.5)
+    recording = record_trace(trace)
+    assert recording.error is None and recording.info["opted_out"] == len(trace.opted_out())
+    emit_starts = {}
+    for event in recording.events:
+        if event[0] == "begin_step" and event[2] is not None:
+            emit_starts.update(event[2][1])
+    assert {r for r, start in emit_starts.items() if start == NO_EMIT_START} == trace.opted_out()
+    all_in = record_trace(trace.all_opted_in())
+    assert recording.info["emitted_rows"] < all_in.info["emitted_rows"]
+    for provider in PROVIDERS:
+        with KernelStandIn() as exclusion:
+            times = replay(recording, provider, exclusion=exclusion)
+        assert times.error is None and times.digests == recording.digests, provider
 
 
 def test_a_what_if_figure_says_so_in_its_title():
