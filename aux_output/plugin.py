@@ -237,15 +237,12 @@ def _patch_engine_args(module: ModuleType) -> None:
 
 
 def _add_backend_flag(parser) -> None:
-    if _FLAG in parser._option_string_actions:
-        return
-    # In --help, list it in the group of --enable-return-routed-experts (ModelConfig).
-    anchor = parser._option_string_actions.get("--enable-return-routed-experts")
-    group = next((g for g in parser._action_groups if anchor in g._group_actions), parser)
-    group.add_argument(
+    # In --help, listed in the group of --enable-return-routed-experts (ModelConfig).
+    _add_flag(
+        parser,
         _FLAG,
+        beside="--enable-return-routed-experts",
         choices=BACKENDS,
-        default=None,
         help=(
             "Routed-experts (R3) capture backend, from the r3capture plugin. 'torch' (default): "
             "vLLM's own; 'triton': r3capture's Triton data path (accepted rows only cross to "
@@ -256,14 +253,11 @@ def _add_backend_flag(parser) -> None:
 
 
 def _add_pd_flag(parser) -> None:
-    if pd.PD_FLAG in parser._option_string_actions:
-        return
-    anchor = parser._option_string_actions.get(_FLAG)
-    group = next((g for g in parser._action_groups if anchor in g._group_actions), parser)
-    group.add_argument(
+    _add_flag(
+        parser,
         pd.PD_FLAG,
+        beside=_FLAG,
         choices=pd.PD_MODES,
-        default=None,
         help=(
             "Routed experts under prefill/decode disaggregation, from the r3capture plugin. "
             "'off' (default): vLLM refuses routed experts with P/D KV connectors (NIXL, "
@@ -276,14 +270,11 @@ def _add_pd_flag(parser) -> None:
 
 
 def _add_replay_default_flag(parser) -> None:
-    if replay.DEFAULT_FLAG in parser._option_string_actions:
-        return
-    anchor = parser._option_string_actions.get(_FLAG)
-    group = next((g for g in parser._action_groups if anchor in g._group_actions), parser)
-    group.add_argument(
+    _add_flag(
+        parser,
         replay.DEFAULT_FLAG,
+        beside=_FLAG,
         choices=tuple(replay.DEFAULT_CHOICES),
-        default=None,
         help=(
             "Which requests get routed experts, from the r3capture plugin. 'on' (default): "
             f"every request, unless it sets {replay.REPLAY_KEY}=false in "
@@ -295,21 +286,24 @@ def _add_replay_default_flag(parser) -> None:
     )
 
 
+def _add_flag(parser, flag: str, *, beside: str, choices: tuple, help: str) -> None:
+    """Add ``flag`` (``choices``, no default) to ``parser`` unless it has it, in the
+    argument group of ``beside`` (the parser's own when it has no such flag)."""
+    if flag in parser._option_string_actions:
+        return
+    anchor = parser._option_string_actions.get(beside)
+    group = next((g for g in parser._action_groups if anchor in g._group_actions), parser)
+    group.add_argument(flag, choices=choices, default=None, help=help)
+
+
 # ------------------------------------------------- pipeline parallelism, P/D connectors
 def _patch_vllm_config(module: ModuleType) -> None:
     """vLLM refuses routed experts with PP > 1 and with P/D KV connectors. With ``triton``
     its check runs with PP hidden (``pipeline.py`` carries the rows between stages); with
     ``--aux-output-pd splice`` (which needs ``triton``) it runs with the P/D connectors
     hidden (``pd.py``; the router splices the rows). Every other refusal stays."""
-    config_cls = getattr(module, compat.CONFIG_CLASS, None)
-    original = getattr(config_cls, compat.VERIFY_AUX_OUTPUT_METHOD, None)
+    original = _method_to_wrap(module, compat.CONFIG_CLASS, compat.VERIFY_AUX_OUTPUT_METHOD)
     if original is None:
-        raise compat.UnsupportedVLLMError(
-            f"r3capture: {module.__name__} has no {compat.CONFIG_CLASS}."
-            f"{compat.VERIFY_AUX_OUTPUT_METHOD}; this vLLM build ({compat.vllm_version()}) is "
-            "not one r3capture supports"
-        )
-    if getattr(original, _WRAPPED, False):
         return
 
     def verify(self):
@@ -322,13 +316,26 @@ def _patch_vllm_config(module: ModuleType) -> None:
         return check(self)
 
     _mark_wrapper(verify, original)
-    setattr(config_cls, compat.VERIFY_AUX_OUTPUT_METHOD, verify)
+    setattr(getattr(module, compat.CONFIG_CLASS), compat.VERIFY_AUX_OUTPUT_METHOD, verify)
 
 
 def _mark_wrapper(wrapper: Callable, original: Callable) -> None:
     wrapper.__wrapped__ = original
     wrapper.__doc__ = original.__doc__
     setattr(wrapper, _WRAPPED, True)
+
+
+def _method_to_wrap(module: ModuleType, class_name: str, method: str) -> Callable | None:
+    """``module.class_name.method``, or None when r3capture has wrapped it already. Raises
+    ``compat.UnsupportedVLLMError`` naming it when the module lacks it."""
+    cls = getattr(module, class_name, None)
+    original = None if cls is None else getattr(cls, method, None)
+    if original is None:
+        raise compat.UnsupportedVLLMError(
+            f"r3capture: {module.__name__} has no {class_name}.{method}; this vLLM build "
+            f"({compat.vllm_version()}) is not one r3capture supports"
+        )
+    return None if getattr(original, _WRAPPED, False) else original
 
 
 # ------------------------------------------------------- the scheduler side: P/D, replay
@@ -338,14 +345,8 @@ def _patch_scheduler(module: ModuleType) -> None:
     and KV connector's hit lookups too), so a decode-leg request returns only the rows it
     computed; then by ``replay.ReplaySchedulerConnector``, so an opted-out request returns
     none. With ``torch`` vLLM's scheduler stays as it is."""
-    scheduler_cls = getattr(module, compat.SCHEDULER_CLASS, None)
-    original = getattr(scheduler_cls, compat.SCHEDULER_INIT_METHOD, None)
-    if scheduler_cls is None or original is None:
-        raise compat.UnsupportedVLLMError(
-            f"r3capture: {module.__name__} has no {compat.SCHEDULER_CLASS}; this vLLM build "
-            f"({compat.vllm_version()}) is not one r3capture supports"
-        )
-    if getattr(original, _WRAPPED, False):
+    original = _method_to_wrap(module, compat.SCHEDULER_CLASS, compat.SCHEDULER_INIT_METHOD)
+    if original is None:
         return
 
     def __init__(self, vllm_config, *args, **kwargs):
@@ -361,7 +362,7 @@ def _patch_scheduler(module: ModuleType) -> None:
         replay.wrap_for_replay(self, replay.replay_default(vllm_config))
 
     _mark_wrapper(__init__, original)
-    setattr(scheduler_cls, compat.SCHEDULER_INIT_METHOD, __init__)
+    setattr(getattr(module, compat.SCHEDULER_CLASS), compat.SCHEDULER_INIT_METHOD, __init__)
 
 
 # ---------------------------------------------------------------- request validation
@@ -372,15 +373,8 @@ def _patch_input_processor(module: ModuleType) -> None:
     vLLM's validation error (``compat.request_error``), which the OpenAI server answers with
     400 (a bare ``ValueError`` would be a 500 there). With ``torch`` it is vLLM's check
     alone."""
-    processor_cls = getattr(module, compat.INPUT_PROCESSOR_CLASS, None)
-    original = getattr(processor_cls, compat.VALIDATE_PARAMS_METHOD, None)
+    original = _method_to_wrap(module, compat.INPUT_PROCESSOR_CLASS, compat.VALIDATE_PARAMS_METHOD)
     if original is None:
-        raise compat.UnsupportedVLLMError(
-            f"r3capture: {module.__name__} has no {compat.INPUT_PROCESSOR_CLASS}."
-            f"{compat.VALIDATE_PARAMS_METHOD}; this vLLM build ({compat.vllm_version()}) is "
-            "not one r3capture supports"
-        )
-    if getattr(original, _WRAPPED, False):
         return
 
     def _validate_params(self, params, *args, **kwargs):
@@ -396,7 +390,11 @@ def _patch_input_processor(module: ModuleType) -> None:
         return result
 
     _mark_wrapper(_validate_params, original)
-    setattr(processor_cls, compat.VALIDATE_PARAMS_METHOD, _validate_params)
+    setattr(
+        getattr(module, compat.INPUT_PROCESSOR_CLASS),
+        compat.VALIDATE_PARAMS_METHOD,
+        _validate_params,
+    )
 
 
 # ---------------------------------------------------------------- model runner hooks

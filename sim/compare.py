@@ -9,7 +9,9 @@ from typing import Any
 
 import numpy as np
 
-from sim.engine import SimResult, StepRecord
+from sim.engine import SimResult, StepRecord, run_trace, vllm_scheduler
+from sim.trace import Trace
+from sim.workers import make_vllm_worker
 
 
 class ConnectorMismatch(AssertionError):
@@ -140,6 +142,19 @@ def diff_results(reference: SimResult, candidate: SimResult) -> str | None:
     return None
 
 
+def run_vllm_all_opted_in(trace: Trace) -> SimResult:
+    """``trace`` through vLLM 0.33.0's scheduler connector and worker with every request
+    wanting its rows (vLLM has no per-request switch): what ``diff_opted_in`` compares a run
+    of ``trace`` with. Errors caught, nothing checked."""
+    return run_trace(
+        trace.all_opted_in(),
+        make_vllm_worker,
+        scheduler_factory=vllm_scheduler,
+        catch_errors=True,
+        check=False,
+    )
+
+
 def diff_opted_in(
     reference: SimResult, candidate: SimResult, opted_out: Collection[str]
 ) -> str | None:
@@ -211,6 +226,7 @@ __all__ = [
     "diff_results",
     "normalize_meta",
     "only_reference_fails",
+    "run_vllm_all_opted_in",
     "same_error",
     "tee_factory",
 ]

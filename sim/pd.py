@@ -42,7 +42,7 @@ from typing import Any
 from sim.engine import SimResult, replay_scheduler, run_trace, vllm_scheduler
 from sim.records import FINISHED_STOPPED, SimStats
 from sim.trace import Trace, random_trace
-from sim.workers import make_vllm_worker, r3capture_worker_factory
+from sim.workers import r3capture_worker_factory
 
 
 def pd_scheduler(kv: Any, kv_connector: Any) -> Any:
@@ -142,13 +142,9 @@ def _problem(trace: Trace, got: SimResult) -> str | None:
     problem = _emit_start_problem(trace, got)
     if problem is not None:
         return problem
-    ref = run_trace(
-        trace.all_opted_in(),
-        make_vllm_worker,
-        scheduler_factory=vllm_scheduler,
-        catch_errors=True,
-        check=False,
-    )
+    from sim.compare import run_vllm_all_opted_in
+
+    ref = run_vllm_all_opted_in(trace)
     return None if ref.error is not None else _against_vllm(trace, got, ref)
 
 

@@ -28,9 +28,8 @@ from sim import (
     r3capture_worker_factory,
     replay_scheduler,
     run_trace,
-    vllm_scheduler,
 )
-from sim.compare import diff_opted_in, diff_results, same_error
+from sim.compare import diff_opted_in, diff_results, run_vllm_all_opted_in, same_error
 from sim.request_indices import RequestIndices
 
 pytest.importorskip("vllm.distributed.aux_output_connector.worker")
@@ -113,13 +112,7 @@ def _opted_out_differential(trace, factory=REFERENCE):
     """``trace`` (some requests opted out of routed experts) through vLLM 0.33.0's scheduler
     connector wrapped as under ``triton`` and r3capture's worker, against vLLM's connector and
     worker on the same trace with every request opted in (vLLM has no switch)."""
-    ref = run_trace(
-        trace.all_opted_in(),
-        make_vllm_worker,
-        scheduler_factory=vllm_scheduler,
-        catch_errors=True,
-        check=False,
-    )
+    ref = run_vllm_all_opted_in(trace)
     got = run_trace(
         trace,
         factory,

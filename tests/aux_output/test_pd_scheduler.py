@@ -12,13 +12,13 @@ is loaded from ``.venv-e2e`` when that environment exists.
 from __future__ import annotations
 
 import importlib.util
-import subprocess
 import sys
 import types
 from pathlib import Path
 
 import numpy as np
 import pytest
+from stand_in_requests import B, FakeRequest
 
 from r3capture.aux_output import compat, plugin
 from r3capture.aux_output.pd_scheduler import (
@@ -27,50 +27,15 @@ from r3capture.aux_output.pd_scheduler import (
     wrap_scheduler_connector,
 )
 from r3capture.aux_output.pd_scheduler_032 import PDSchedulerConnector032
-from sim.kv import KVCacheDouble, block_hashes_for
+from sim.kv import KVCacheDouble
 
 connector_033 = pytest.importorskip("vllm.distributed.aux_output_connector.connector")
 ext = pytest.importorskip("vllm.v1.core.kv_cache_utils").maybe_convert_block_hash
 
-B = 16  # KV block size and hash block size
 PROMPT = list(range(100, 170))  # 70 tokens: 4 full blocks, the fifth partial
 HIT = 64  # what a KV connector loads of it: the whole blocks short of the last token
 DECODE = {"do_remote_prefill": True, "remote_engine_id": "P", "remote_block_ids": [1, 2, 3]}
 PREFILL = {"do_remote_decode": True, "do_remote_prefill": False}
-
-
-class FakeRequest:
-    """The parts of vLLM's ``Request`` the scheduler-side connector reads."""
-
-    def __init__(self, request_id, tokens, kv_transfer_params=None, prompt_start=0):
-        self.request_id = request_id
-        self.prompt_token_ids = list(tokens)
-        self.output_token_ids: list[int] = []
-        self.kv_transfer_params = None if kv_transfer_params is None else dict(kv_transfer_params)
-        self.sampling_params = types.SimpleNamespace(routed_experts_prompt_start=prompt_start)
-        self.num_computed_tokens = 0
-        self.finished = False
-        self.block_hashes = block_hashes_for(self.prompt_token_ids, B)
-
-    @property
-    def num_prompt_tokens(self):
-        return len(self.prompt_token_ids)
-
-    @property
-    def num_output_tokens(self):
-        return len(self.output_token_ids)
-
-    @property
-    def num_tokens(self):
-        return self.num_prompt_tokens + self.num_output_tokens
-
-    def is_finished(self):
-        return self.finished
-
-    def append(self, *token_ids):
-        self.output_token_ids.extend(token_ids)
-        tokens = self.prompt_token_ids + self.output_token_ids
-        self.block_hashes = self.block_hashes + block_hashes_for(tokens, B, self.block_hashes)
 
 
 def kv_cache(num_blocks=64):
@@ -597,25 +562,17 @@ def test_vllms_scheduler_is_the_class_the_hook_names():
         assert callable(getattr(cls, name))
 
 
-def test_register_hooks_vllms_scheduler_when_it_is_imported():
+def test_register_hooks_vllms_scheduler_when_it_is_imported(after_register):
     """In a fresh interpreter: ``register()`` imports no scheduler; importing vLLM 0.33.0's
     then applies the hook (which AsyncScheduler reaches through ``super().__init__``)."""
-    probe = (
-        "import sys\n"
-        "from r3capture.aux_output import plugin\n"
-        "plugin.register()\n"
-        f"assert {compat.SCHEDULER_MODULE!r} not in sys.modules\n"
+    after_register(
+        compat.SCHEDULER_MODULE,
         "from vllm.v1.core.sched.scheduler import Scheduler\n"
         "from vllm.v1.core.sched.async_scheduler import AsyncScheduler\n"
         "assert getattr(Scheduler.__init__, plugin._WRAPPED, False)\n"
         "import inspect\n"
-        "assert 'super().__init__(' in inspect.getsource(AsyncScheduler.__init__)\n"
-        "print('HOOKED')\n"
+        "assert 'super().__init__(' in inspect.getsource(AsyncScheduler.__init__)\n",
     )
-    done = subprocess.run(
-        [sys.executable, "-c", probe], capture_output=True, text=True, timeout=300
-    )
-    assert "HOOKED" in done.stdout, done.stderr[-3000:]
 
 
 # ------------------------------------------------------------------ vLLM 0.32.0

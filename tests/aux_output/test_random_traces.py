@@ -26,7 +26,7 @@ from sim import (
     run_trace,
     vllm_scheduler,
 )
-from sim.compare import diff_opted_in, diff_results, tee_factory
+from sim.compare import diff_opted_in, diff_results, run_vllm_all_opted_in, tee_factory
 from sim.trace import ROLLOUTS
 
 pytest.importorskip("vllm.distributed.aux_output_connector.worker")
@@ -120,13 +120,7 @@ def test_random_trace_with_opted_out_requests(
     trace = random_trace(seed, rollout=rollout).with_opt_outs(share)
     if opt_in_default:
         trace = trace.with_config(replay_default=False)
-    ref = run_trace(
-        trace.all_opted_in(),
-        make_vllm_worker,
-        scheduler_factory=vllm_scheduler,
-        catch_errors=True,
-        check=False,
-    )
+    ref = run_vllm_all_opted_in(trace)
     factory = r3capture_worker_factory(kernel_impl="reference")
     limits = ((small_step, "PER_REQUEST_MAX"), (publisher, "PER_ROW_MAX"))
     with contextlib.ExitStack() as stack:

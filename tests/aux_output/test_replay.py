@@ -11,8 +11,6 @@ are in ``test_differential.py``, ``test_random_traces.py`` and ``test_pd_traces.
 from __future__ import annotations
 
 import inspect
-import subprocess
-import sys
 import types
 from pathlib import Path
 
@@ -20,6 +18,7 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from stand_in_requests import B, FakeRequest
 
 from r3capture.aux_output import compat, plugin, replay
 from r3capture.aux_output.pd_scheduler import PDSchedulerConnector
@@ -33,11 +32,9 @@ from r3capture.aux_output.replay import (
     request_replay,
     wrap_for_replay,
 )
-from sim.kv import KVCacheDouble, block_hashes_for
+from sim.kv import KVCacheDouble
 
 connector_033 = pytest.importorskip("vllm.distributed.aux_output_connector.connector")
-
-B = 16
 
 
 # ------------------------------------------------------------------ the switch
@@ -178,42 +175,6 @@ def test_on_vllm_033_the_flag_and_the_admission_check_through_vllms_own_entry_po
 
 
 # ------------------------------------------------------------------ the scheduler side
-class FakeRequest:
-    """The parts of vLLM's ``Request`` the scheduler-side connector reads."""
-
-    def __init__(self, request_id, tokens, extra_args=None, kv_transfer_params=None):
-        self.request_id = request_id
-        self.prompt_token_ids = list(tokens)
-        self.output_token_ids: list[int] = []
-        self.sampling_params = types.SimpleNamespace(
-            routed_experts_prompt_start=0, extra_args=extra_args
-        )
-        self.kv_transfer_params = kv_transfer_params
-        self.num_computed_tokens = 0
-        self.finished = False
-        self.block_hashes = block_hashes_for(self.prompt_token_ids, B)
-
-    @property
-    def num_prompt_tokens(self):
-        return len(self.prompt_token_ids)
-
-    @property
-    def num_output_tokens(self):
-        return len(self.output_token_ids)
-
-    @property
-    def num_tokens(self):
-        return self.num_prompt_tokens + self.num_output_tokens
-
-    def is_finished(self):
-        return self.finished
-
-    def append(self, token):
-        self.output_token_ids.append(token)
-        tokens = self.prompt_token_ids + self.output_token_ids
-        self.block_hashes = self.block_hashes + block_hashes_for(tokens, B, self.block_hashes)
-
-
 def _vllms(kv, kv_connector=None):
     return connector_033.AuxOutputSchedulerConnector(kv, kv_connector)
 
@@ -233,7 +194,10 @@ def _schedule(connector, *scheduled):
 
 
 def _requests(*extra_args):
-    return [FakeRequest(f"r{i}", range(100 * i, 100 * i + 40), e) for i, e in enumerate(extra_args)]
+    return [
+        FakeRequest(f"r{i}", range(100 * i, 100 * i + 40), extra_args=e)
+        for i, e in enumerate(extra_args)
+    ]
 
 
 def test_an_opted_out_request_gets_an_emit_start_the_worker_never_reaches():
@@ -315,8 +279,8 @@ def test_under_splice_an_opted_out_decode_leg_request_gets_no_rows_either():
     kv = _kv()
     connector = ReplaySchedulerConnector(PDSchedulerConnector(_vllms(kv, object())))
     decode = {"do_remote_prefill": False}
-    out = FakeRequest("out", range(40), {REPLAY_KEY: False}, dict(decode))
-    kept = FakeRequest("kept", range(200, 240), None, dict(decode))
+    out = FakeRequest("out", range(40), decode, extra_args={REPLAY_KEY: False})
+    kept = FakeRequest("kept", range(200, 240), decode)
     out.num_computed_tokens = kept.num_computed_tokens = 32  # loaded from a prefiller
     meta = _schedule(connector, (out, 8), (kept, 8))
     assert meta.requests == {"out": NO_EMIT_START, "kept": 32}
@@ -414,17 +378,9 @@ def test_vllms_input_processor_validates_every_request_where_the_hook_is():
     assert f"self.{compat.VALIDATE_PARAMS_METHOD}(params, supported_tasks)" in source
 
 
-def test_register_hooks_vllms_input_processor_when_it_is_imported():
-    probe = (
-        "import sys\n"
-        "from r3capture.aux_output import plugin\n"
-        "plugin.register()\n"
-        f"assert {compat.INPUT_PROCESSOR_MODULE!r} not in sys.modules\n"
+def test_register_hooks_vllms_input_processor_when_it_is_imported(after_register):
+    after_register(
+        compat.INPUT_PROCESSOR_MODULE,
         "from vllm.v1.engine.input_processor import InputProcessor\n"
-        "assert getattr(InputProcessor._validate_params, plugin._WRAPPED, False)\n"
-        "print('HOOKED')\n"
+        "assert getattr(InputProcessor._validate_params, plugin._WRAPPED, False)\n",
     )
-    done = subprocess.run(
-        [sys.executable, "-c", probe], capture_output=True, text=True, timeout=300
-    )
-    assert "HOOKED" in done.stdout, done.stderr[-3000:]
