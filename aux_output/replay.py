@@ -172,10 +172,6 @@ class ReplaySchedulerConnector:
             if self._replays.pop(request_id, True) is False:
                 self._opted_out.discard(request_id)
 
-    def opted_out(self, request_id: str) -> bool:
-        """Whether ``request_id`` (scheduled and not finished) gets no rows."""
-        return request_id in self._opted_out
-
 
 def wrap_for_replay(scheduler: Any, default: bool) -> None:
     """Replace ``scheduler``'s aux-output connector (``scheduler.aux_output_connector``) with
