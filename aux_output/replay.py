@@ -30,6 +30,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+from r3capture.aux_output import compat
+
 REPLAY_KEY = "aux_output_replay"
 DEFAULT_KEY = "aux_output_replay_default"
 DEFAULT_FLAG = "--aux-output-replay-default"
@@ -174,9 +176,10 @@ class ReplaySchedulerConnector:
 
 
 def wrap_for_replay(scheduler: Any, default: bool) -> None:
-    """Replace ``scheduler``'s aux-output connector (``scheduler.aux_output_connector``) with
-    a ``ReplaySchedulerConnector`` around it; no-op when it has none or it is wrapped."""
-    connector = getattr(scheduler, "aux_output_connector", None)
+    """Replace ``scheduler``'s aux-output connector (``compat.SCHEDULER_AUX_CONNECTOR_ATTR``)
+    with a ``ReplaySchedulerConnector`` around it; no-op when it has none or it is wrapped."""
+    connector = getattr(scheduler, compat.SCHEDULER_AUX_CONNECTOR_ATTR, None)
     if connector is None or isinstance(connector, ReplaySchedulerConnector):
         return
-    scheduler.aux_output_connector = ReplaySchedulerConnector(connector, default=default)
+    wrapped = ReplaySchedulerConnector(connector, default=default)
+    setattr(scheduler, compat.SCHEDULER_AUX_CONNECTOR_ATTR, wrapped)
