@@ -1,5 +1,10 @@
 """The Makefile's test target: on CI each stage removes its venv once its tests passed, so the
-three venvs (about 8 GB here) never need the disk at once; elsewhere nothing is removed."""
+three venvs (about 8 GB here) never need the disk at once; elsewhere nothing is removed.
+
+These tests read the commands ``make -n -B test`` prints: every command, as on a fresh clone,
+whichever venvs the checkout already holds (a ``make demo`` before ``make test`` builds
+``.venv-e2e``, and plain ``make -n`` then leaves its build out). What ``make test`` does in
+such a checkout is tested on scratch copies of the Makefile with venvs as it left them."""
 
 from __future__ import annotations
 
@@ -21,12 +26,42 @@ STAGES = (  # (venv, a line of its stage's test commands), in the order `make te
 )
 
 
-def _planned_commands(ci: str) -> list[str]:
-    """What ``make test`` would run (``make -n``: nothing runs), with ``CI`` set to ``ci``."""
+# What a checkout can hold when ``make test`` starts: each venv "built" (its stamp newer than
+# pyproject.toml), "stale" (its stamp older) or "half-built" (the folder without its stamp: a
+# build that was cut short); venvs not named are absent.
+CHECKOUT_STATES = {
+    "fresh clone": {},
+    "after make demo": {".venv-e2e": "built"},
+    "after make test": dict.fromkeys((venv for venv, _ in STAGES), "built"),
+    "after an interrupted make test": {".venv": "built", ".venv-triton36": "half-built"},
+    "after pyproject.toml changed": dict.fromkeys((venv for venv, _ in STAGES), "stale"),
+}
+
+
+def _checkout(tmp_path: Path, state: str) -> Path:
+    """A scratch copy of what the Makefile reads, its venvs as ``CHECKOUT_STATES[state]``."""
+    root = tmp_path / state.replace(" ", "-")
+    root.mkdir()
+    for name in ("Makefile", "pyproject.toml"):
+        shutil.copy2(ROOT / name, root / name)
+    an_hour_before = (root / "pyproject.toml").stat().st_mtime - 3600
+    for venv, kind in CHECKOUT_STATES[state].items():
+        (root / venv / "bin").mkdir(parents=True)
+        if kind != "half-built":
+            stamp = root / venv / ".stamp"
+            stamp.touch()
+            if kind == "stale":
+                os.utime(stamp, (an_hour_before, an_hour_before))
+    return root
+
+
+def _planned_commands(ci: str, root: Path = ROOT, *, every_command: bool = True) -> list[str]:
+    """What ``make test`` would run in ``root`` (``make -n``: nothing runs), with ``CI`` set
+    to ``ci``; with ``every_command`` (``-B``) as if no venv were built yet."""
     env = {k: v for k, v in os.environ.items() if k not in ("CI", "MAKEFLAGS", "MAKELEVEL")}
     out = subprocess.run(
-        ["make", "-n", "test", f"CI={ci}"],
-        cwd=ROOT,
+        ["make", "-n", *(["-B"] if every_command else []), "test", f"CI={ci}"],
+        cwd=root,
         env=env,
         capture_output=True,
         text=True,
@@ -41,6 +76,15 @@ def _index(lines: list[str], prefix: str) -> int:
     return matches[-1]
 
 
+def _build(lines: list[str], venv: str) -> int:
+    """The index of the command that creates ``venv``; ``ValueError`` if none does."""
+    return next(i for i, line in enumerate(lines) if line.endswith(f"-m venv {venv}"))
+
+
+def _builds(lines: list[str]) -> list[str]:
+    return [venv for venv, _ in STAGES if any(line.endswith(f"-m venv {venv}") for line in lines)]
+
+
 def test_ci_removes_each_venv_after_its_stage_and_before_the_next():
     lines = _planned_commands("true")
     removals = [lines.index(f"rm -rf {venv}") for venv, _ in STAGES]
@@ -50,9 +94,8 @@ def test_ci_removes_each_venv_after_its_stage_and_before_the_next():
         if i + 1 < len(STAGES):
             # The next venv is built (and its tests run) only once this one is gone.
             assert removals[i] < tests[i + 1], f"{venv} is still there for the next stage"
-            build = f"python3 -m venv {STAGES[i + 1][0]}"
-            if build in lines:  # the next venv is not built yet
-                assert removals[i] < lines.index(build), f"{venv} is still there for the next build"
+            build = _build(lines, STAGES[i + 1][0])
+            assert removals[i] < build, f"{venv} is still there for the next build"
     assert sorted(line for line in lines if line.startswith("rm -rf")) == sorted(
         f"rm -rf {venv}" for venv, _ in STAGES
     )
@@ -70,4 +113,32 @@ def test_the_unit_tests_that_read_vllm_032_run_where_it_is_installed():
     run in the end-to-end stage, before its venv is removed."""
     lines = _planned_commands("true")
     run = _index(lines, ".venv-e2e/bin/python -m pytest -q -m vllm032")
-    assert lines.index("python3 -m venv .venv-e2e") < run < lines.index("rm -rf .venv-e2e")
+    assert _build(lines, ".venv-e2e") < run < lines.index("rm -rf .venv-e2e")
+
+
+@pytest.mark.parametrize("ci", ["true", ""])
+@pytest.mark.parametrize("state", list(CHECKOUT_STATES))
+def test_the_plan_these_tests_read_is_the_same_whatever_the_checkout_holds(tmp_path, state, ci):
+    """Before ``-B`` these tests read plain ``make -n``, which leaves out the build of a venv
+    the checkout already holds: after ``make demo`` they failed on every second ``make test``
+    and never on CI (a fresh clone)."""
+    fresh = _planned_commands(ci, _checkout(tmp_path, "fresh clone"))
+    assert set(_builds(fresh)) == {venv for venv, _ in STAGES}
+    if state != "fresh clone":
+        assert _planned_commands(ci, _checkout(tmp_path, state)) == fresh
+    assert _planned_commands(ci) == fresh  # this checkout, whatever it holds
+
+
+@pytest.mark.parametrize("ci", ["true", ""])
+def test_after_make_demo_make_test_builds_the_two_other_venvs_and_runs_every_stage(tmp_path, ci):
+    """``make demo`` built ``.venv-e2e``: ``make test`` keeps it, builds the other two, and
+    runs every stage's tests (the ``vllm032`` ones in ``.venv-e2e``, before it is removed)."""
+    lines = _planned_commands(ci, _checkout(tmp_path, "after make demo"), every_command=False)
+    assert _builds(lines) == [".venv", ".venv-triton36"]
+    for _, command in STAGES:
+        _index(lines, command)
+    run = _index(lines, ".venv-e2e/bin/python -m pytest -q -m vllm032")
+    if ci == "true":
+        assert lines.index("rm -rf .venv-triton36") < run < lines.index("rm -rf .venv-e2e")
+    else:
+        assert not [line for line in lines if line.startswith("rm -rf")]
