@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -20,7 +21,7 @@ ROOT = Path(__file__).resolve().parent.parent
 pytestmark = pytest.mark.skipif(shutil.which("make") is None, reason="make is not installed")
 
 STAGES = (  # (venv, a line of its stage's test commands), in the order `make test` runs them
-    (".venv", '.venv/bin/python -m pytest -q -m "not e2e"'),
+    (".venv", '.venv/bin/python -m pytest -q -m "not e2e and not vllm032"'),
     (".venv-triton36", ".venv-triton36/bin/python -m pytest -q -m gpu"),
     (".venv-e2e", ".venv-e2e/bin/python -m pytest -q -m e2e"),
 )
@@ -55,12 +56,15 @@ def _checkout(tmp_path: Path, state: str) -> Path:
     return root
 
 
-def _planned_commands(ci: str, root: Path = ROOT, *, every_command: bool = True) -> list[str]:
+def _planned_commands(
+    ci: str, root: Path = ROOT, *, every_command: bool = True, variables: tuple[str, ...] = ()
+) -> list[str]:
     """What ``make test`` would run in ``root`` (``make -n``: nothing runs), with ``CI`` set
-    to ``ci``; with ``every_command`` (``-B``) as if no venv were built yet."""
+    to ``ci`` and ``variables`` (``NAME=value``); with ``every_command`` (``-B``) as if no venv
+    were built yet."""
     env = {k: v for k, v in os.environ.items() if k not in ("CI", "MAKEFLAGS", "MAKELEVEL")}
     out = subprocess.run(
-        ["make", "-n", *(["-B"] if every_command else []), "test", f"CI={ci}"],
+        ["make", "-n", *(["-B"] if every_command else []), "test", f"CI={ci}", *variables],
         cwd=root,
         env=env,
         capture_output=True,
@@ -85,9 +89,18 @@ def _builds(lines: list[str]) -> list[str]:
     return [venv for venv, _ in STAGES if any(line.endswith(f"-m venv {venv}") for line in lines)]
 
 
+def _removal(lines: list[str], venv: str) -> int:
+    """The index of the command that removes ``venv`` once its stage passed (CI only)."""
+    return next(i for i, line in enumerate(lines) if line.endswith(f"rm -rf {venv}"))
+
+
+def _removals(lines: list[str]) -> list[str]:
+    return [line for line in lines if line.startswith("rm ")]
+
+
 def test_ci_removes_each_venv_after_its_stage_and_before_the_next():
     lines = _planned_commands("true")
-    removals = [lines.index(f"rm -rf {venv}") for venv, _ in STAGES]
+    removals = [_removal(lines, venv) for venv, _ in STAGES]
     tests = [_index(lines, command) for _, command in STAGES]
     for i, (venv, _) in enumerate(STAGES):
         assert tests[i] < removals[i], f"{venv} is removed before its tests ran"
@@ -96,14 +109,15 @@ def test_ci_removes_each_venv_after_its_stage_and_before_the_next():
             assert removals[i] < tests[i + 1], f"{venv} is still there for the next stage"
             build = _build(lines, STAGES[i + 1][0])
             assert removals[i] < build, f"{venv} is still there for the next build"
-    assert sorted(line for line in lines if line.startswith("rm -rf")) == sorted(
-        f"rm -rf {venv}" for venv, _ in STAGES
+    # The stamp goes first: a removal cut short leaves no stamp vouching for half a venv.
+    assert sorted(_removals(lines)) == sorted(
+        f"rm -f {venv}/.stamp && rm -rf {venv}" for venv, _ in STAGES
     )
 
 
 def test_outside_ci_no_venv_is_removed():
     lines = _planned_commands("")
-    assert not [line for line in lines if line.startswith("rm -rf")]
+    assert not _removals(lines)
     for _, command in STAGES:
         _index(lines, command)  # the same tests run
 
@@ -113,7 +127,7 @@ def test_the_unit_tests_that_read_vllm_032_run_where_it_is_installed():
     run in the end-to-end stage, before its venv is removed."""
     lines = _planned_commands("true")
     run = _index(lines, ".venv-e2e/bin/python -m pytest -q -m vllm032")
-    assert _build(lines, ".venv-e2e") < run < lines.index("rm -rf .venv-e2e")
+    assert _build(lines, ".venv-e2e") < run < _removal(lines, ".venv-e2e")
 
 
 @pytest.mark.parametrize("ci", ["true", ""])
@@ -139,6 +153,51 @@ def test_after_make_demo_make_test_builds_the_two_other_venvs_and_runs_every_sta
         _index(lines, command)
     run = _index(lines, ".venv-e2e/bin/python -m pytest -q -m vllm032")
     if ci == "true":
-        assert lines.index("rm -rf .venv-triton36") < run < lines.index("rm -rf .venv-e2e")
+        assert _removal(lines, ".venv-triton36") < run < _removal(lines, ".venv-e2e")
     else:
-        assert not [line for line in lines if line.startswith("rm -rf")]
+        assert not _removals(lines)
+
+
+@pytest.mark.parametrize(
+    "state", ["after an interrupted make test", "after pyproject.toml changed"]
+)
+def test_a_venv_left_half_built_is_built_again_from_nothing(tmp_path, state):
+    """A venv without its stamp (its build was cut short, or an install failed) is removed
+    before it is built again, so no install runs on top of a half-done one; a venv whose stamp
+    is only stale (pyproject.toml changed) is updated in place."""
+    root = _checkout(tmp_path, state)
+    for venv in CHECKOUT_STATES[state]:
+        (root / venv / "bin" / "left-over").touch()
+    # PYTHON=true: the planned venv commands run here, but create no venv.
+    lines = _planned_commands("", root, every_command=False, variables=("PYTHON=true",))
+    kinds = CHECKOUT_STATES[state]
+    assert _builds(lines) == [venv for venv, _ in STAGES if kinds.get(venv) != "built"]
+    for venv in (venv for venv, kind in kinds.items() if kind != "built"):
+        subprocess.run(["sh", "-c", lines[_build(lines, venv)]], cwd=root, check=True)
+    for venv, kind in kinds.items():
+        left_over = (root / venv / "bin" / "left-over").exists()
+        assert left_over == (kind != "half-built"), (venv, kind)
+
+
+def test_the_unit_stage_runs_the_same_tests_whether_or_not_vllm_032_is_installed(tmp_path):
+    """The ``vllm032`` tests read ``.venv-e2e`` when it exists: the unit stage deselects them
+    (they run in the end-to-end stage), or it would run them after ``make demo`` but not on a
+    fresh clone, and fail on a ``.venv-e2e`` whose build was cut short."""
+    lines = _planned_commands("")
+    marker = lines[_index(lines, STAGES[0][1])].split(" -m ", 2)[2].split('"')[1]
+    probe = tmp_path / "test_probe.py"
+    probe.write_text(
+        "import pytest\n"
+        "def test_plain(): pass\n"
+        "@pytest.mark.vllm032\n"
+        "def test_reads_vllm_032(): pass\n"
+        "@pytest.mark.e2e\n"
+        "def test_serves(): pass\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider",
+         "-c", str(ROOT / "pyproject.toml"), "--rootdir", str(tmp_path), "-m", marker, str(probe)],
+        cwd=tmp_path, capture_output=True, text=True,
+    )  # fmt: skip
+    collected = [line.split("::")[1] for line in done.stdout.splitlines() if "::" in line]
+    assert collected == ["test_plain"], done.stdout + done.stderr
