@@ -201,3 +201,15 @@ def test_the_unit_stage_runs_the_same_tests_whether_or_not_vllm_032_is_installed
     )  # fmt: skip
     collected = [line.split("::")[1] for line in done.stdout.splitlines() if "::" in line]
     assert collected == ["test_plain"], done.stdout + done.stderr
+
+
+def test_the_installs_after_vllm_033_without_its_dependencies_do_not_list_them_as_missing():
+    """``vllm==0.33.0`` goes into ``.venv`` with ``--no-deps``: every later install there turns
+    pip's conflict check off (it printed some 35 red lines of vLLM's missing dependencies on
+    every build), and one line says why."""
+    lines = _planned_commands("")
+    vllm = _index(lines, "for try in 1 2 3; do .venv/bin/pip install -q --no-deps vllm==0.33.0")
+    later = lines[vllm + 1 : _index(lines, "touch .venv/.stamp")]
+    installs = [line for line in later if ".venv/bin/pip install" in line]
+    assert installs and all("--no-warn-conflicts" in line for line in installs), installs
+    assert [line for line in later if line.startswith("echo ")], "nothing says why"
