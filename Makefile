@@ -44,10 +44,15 @@ endif
 # older than pyproject.toml is updated in place.
 new_venv = if [ ! -e $(1)/.stamp ]; then rm -rf $(1); fi; $(PYTHON) -m venv $(1)
 
-.PHONY: demo test test-unit test-triton36 test-e2e bench lint setup setup-e2e clean
+.PHONY: demo serve test test-unit test-triton36 test-e2e bench lint setup setup-e2e clean
 
 demo: $(VENV_E2E)/.stamp
 	$(VENV_E2E)/bin/python demo/run_demo.py
+
+# A model served with r3capture's backend until Ctrl-C, in the demo's environment (the tiny
+# model by default). ARGS go to demo/serve.py: make serve ARGS="--port 8001 --max-num-seqs 4".
+serve: $(VENV_E2E)/.stamp
+	$(VENV_E2E)/bin/python demo/serve.py $(ARGS)
 
 test: lint test-unit test-triton36 test-e2e
 
