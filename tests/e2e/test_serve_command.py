@@ -17,7 +17,7 @@ pytestmark = pytest.mark.e2e
 
 
 def test_the_serve_command_serves_the_tiny_model_with_r3capture_until_stopped(
-    tmp_path, hf_router
+    tmp_path, hf_router, assert_stopped_in_order
 ):
     """Run as a user runs it, with no ``--model`` (it builds the tiny model in ``--workdir``)
     and an option for ``vllm serve`` (the served name): rows come back and equal HF's router;
@@ -45,7 +45,6 @@ def test_the_serve_command_serves_the_tiny_model_with_r3capture_until_stopped(
                  "--enable-return-routed-experts", "--served-model-name tiny"):  # fmt: skip
         assert part in command, part
     assert f"serving tiny at {server.base_url}" in log
-    assert "all workers exited gracefully" in log
-    assert "resource_tracker" not in log
+    assert_stopped_in_order(log)
     with pytest.raises((urllib.error.URLError, ConnectionError)):
         urllib.request.urlopen(server.base_url + "/health", timeout=5)
