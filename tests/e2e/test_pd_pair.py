@@ -21,46 +21,27 @@ same speculative config on both servers, started once the first has stopped.
 
 from __future__ import annotations
 
-import json
 import re
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import pytest
 
+from demo.pd_pair import BLOCK, pd_servers, start_all, stop_all
 from demo.pd_proxy import pd_complete
 from demo.scenario import FIRST_TOKEN_ID, SPECULATIVE_CONFIG, complete, read_counters
-from demo.serve import VLLMServer
 from demo.tiny_model import TINY_CONFIG
 
 pytestmark = pytest.mark.e2e
 
 SHAPE = (TINY_CONFIG["num_hidden_layers"], TINY_CONFIG["num_experts_per_tok"])
-BLOCK = 32
 GREEDY = {"temperature": 0, "ignore_eos": True}
-
-
-def pd_server_args(role: str, shared_dir: str, speculative: dict | None = None) -> list[str]:
-    kv = {
-        "kv_connector": "ExampleConnector",
-        "kv_role": role,
-        "kv_connector_extra_config": {"shared_storage_path": shared_dir},
-    }
-    args = [
-        "--enable-return-routed-experts", "--enable-prompt-tokens-details",
-        "--aux-output-backend", "triton", "--aux-output-pd", "splice",
-        "--kv-transfer-config", json.dumps(kv),
-        "--dtype", "float32", "--enforce-eager", "--skip-tokenizer-init",
-        "--max-model-len", "512", "--block-size", str(BLOCK),
-    ]  # fmt: skip
-    if speculative is not None:
-        args += ["--speculative-config", json.dumps(speculative)]
-    return args
 
 
 @pytest.fixture(scope="module")
 def pd_pair(request, tiny_model, server_env, log_dir, tmp_path_factory):
-    """(prefiller, decoder), started side by side (one core each) and always stopped.
+    """(prefiller, decoder) as ``make pd-demo`` starts them (demo/pd_pair.py: one core each),
+    started side by side and always stopped.
 
     A test parametrized indirectly with a speculative config gets a pair that both run it.
     The fixture is module-scoped and cached by that parameter: pytest stops the plain pair
@@ -69,23 +50,14 @@ def pd_pair(request, tiny_model, server_env, log_dir, tmp_path_factory):
     speculative = getattr(request, "param", None)
     suffix = "" if speculative is None else f"-{speculative['method']}"
     shared = str(tmp_path_factory.mktemp(f"pd-kv-shared{suffix}"))
-    servers = [
-        VLLMServer(
-            tiny_model,
-            pd_server_args(role, shared, speculative),
-            env={**server_env, "VLLM_CPU_OMP_THREADS_BIND": core},
-            log_path=log_dir / f"pd-{name}{suffix}.log",
-        )
-        for name, role, core in (("prefill", "kv_producer", "0"), ("decode", "kv_consumer", "1"))
-    ]
+    servers = pd_servers(
+        tiny_model, shared, server_env, log_dir, suffix=suffix, speculative=speculative
+    )
     try:
-        with ThreadPoolExecutor(2) as pool:
-            for started in [pool.submit(server.start) for server in servers]:
-                started.result()
-        yield tuple(servers)
+        start_all(servers)
+        yield servers
     finally:
-        for server in servers:
-            server.stop()
+        stop_all(servers)
 
 
 def _example_connector_hit(prompt_len: int) -> int:
