@@ -47,6 +47,7 @@ _KNOB_HOMES = {
     "REATTACH_TOKENS": "r3capture.aux_output.sizing",
     "PER_REQUEST_MAX": "r3capture.aux_output.small_step",
     "PER_ROW_MAX": "r3capture.aux_output.publisher",
+    "HASHES_PER_OBJECT_MAX": "r3capture.store.keys",
 }
 
 
@@ -108,6 +109,8 @@ def draw_case(seed: int) -> SweepCase:
     knobs["PER_ROW_MAX"] = r.choice([0, 1, 8, 1000])
     # Drawn after that for the same reason: half the seeds reshaped as RL rollouts.
     rollout = r.choice([None, None, *ROLLOUTS])
+    # And after that: the key objects' bytes form (0: through key rows only).
+    knobs["HASHES_PER_OBJECT_MAX"] = r.choice([0, 1, 32, 1000])
     return SweepCase(
         seed=seed,
         shape=shape,
