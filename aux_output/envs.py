@@ -42,3 +42,19 @@ def output_pool_bytes() -> int:
     if value < 0:
         raise ValueError(f"R3CAPTURE_OUTPUT_POOL_BYTES={raw!r} is not a byte count >= 0")
     return value
+
+
+def replay_log_interval_s() -> float:
+    """R3CAPTURE_REPLAY_LOG_INTERVAL_S: least seconds between two log lines of the rows the
+    per-request switch returned and withheld (default 10, vLLM's stats interval; 0 logs every
+    finished request)."""
+    raw = os.environ.get("R3CAPTURE_REPLAY_LOG_INTERVAL_S", "").strip()
+    if not raw:
+        return 10.0
+    try:
+        value = float(raw)
+    except ValueError:
+        value = -1.0
+    if not value >= 0:
+        raise ValueError(f"R3CAPTURE_REPLAY_LOG_INTERVAL_S={raw!r} is not a number of seconds >= 0")
+    return value

@@ -27,10 +27,15 @@ returns every request's rows. This module imports nothing from vLLM.
 
 from __future__ import annotations
 
+import logging
+import time
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any
 
-from r3capture.aux_output import compat
+from r3capture.aux_output import compat, envs
+
+logger = logging.getLogger("vllm.r3capture")
 
 REPLAY_KEY = "aux_output_replay"
 DEFAULT_KEY = "aux_output_replay_default"
@@ -107,10 +112,34 @@ def check_request(params: Any) -> None:
 
 
 # ---------------------------------------------------------------- the scheduler side
+@dataclass
+class ReplayCounts:
+    """What the switch saved since the server started, counted as requests finish.
+
+    ``rows_returned``: rows handed to the engine's output for requests that wanted them (each
+    row ``[L, K]`` expert ids); ``rows_withheld``: rows vLLM's backend would have returned
+    for requests that opted out (``num_tokens - 1`` past their ``routed_experts_prompt_start``).
+    """
+
+    requests_with_rows: int = 0
+    rows_returned: int = 0
+    requests_without_rows: int = 0
+    rows_withheld: int = 0
+
+    def line(self) -> str:
+        return (
+            f"routed experts: {self.rows_returned} rows returned to "
+            f"{self.requests_with_rows} requests; {self.rows_withheld} rows withheld from "
+            f"{self.requests_without_rows} requests that opted out ({REPLAY_KEY})"
+        )
+
+
 class ReplaySchedulerConnector:
     """vLLM's scheduler-side aux-output connector (or r3capture's P/D wrapper of it), with
     opted-out requests returning no rows (module docstring). Every method or attribute it
-    does not define is the wrapped connector's.
+    does not define is the wrapped connector's. ``counts`` (``ReplayCounts``) is logged
+    (logger ``vllm.r3capture``) at most every ``R3CAPTURE_REPLAY_LOG_INTERVAL_S`` seconds
+    when a request finishes.
 
     State (request ids are vLLM's ``request.request_id``): ``_replays``, request id ->
     whether it gets rows, decided the first time it is scheduled and kept until it finishes
@@ -124,6 +153,9 @@ class ReplaySchedulerConnector:
         self._default = default
         self._replays: dict[str, bool] = {}
         self._opted_out: set[str] = set()
+        self.counts = ReplayCounts()
+        self._log_interval_s = envs.replay_log_interval_s()
+        self._logged_at = float("-inf")
 
     def __getattr__(self, name: str) -> Any:
         # Only reached for names this class does not define: the wrapped connector's.
@@ -164,15 +196,37 @@ class ReplaySchedulerConnector:
         wrapped connector's rows."""
         if request.request_id in self._opted_out:
             return None
-        return self._inner.take_output(request, output)
+        rows = self._inner.take_output(request, output)
+        if rows is not None:
+            self.counts.rows_returned += len(rows)
+        return rows
 
     def request_finished(self, request: Any) -> None:
         """The wrapped connector's; a finished request (not a preempted one) is forgotten."""
         self._inner.request_finished(request)
         if request.is_finished():
             request_id = request.request_id
-            if self._replays.pop(request_id, True) is False:
+            counts = self.counts
+            replay = self._replays.pop(request_id, None)
+            if replay is None:  # finished (aborted) before it was ever scheduled
+                return
+            if replay:
+                counts.requests_with_rows += 1
+            else:
                 self._opted_out.discard(request_id)
+                counts.requests_without_rows += 1
+                counts.rows_withheld += _rows_asked_for(request)
+            now = time.monotonic()
+            if now - self._logged_at >= self._log_interval_s:
+                self._logged_at = now
+                logger.info("r3capture %s", counts.line())
+
+
+def _rows_asked_for(request: Any) -> int:
+    """The rows vLLM's backend returns for a finished ``request``: one per token but the last,
+    from its ``routed_experts_prompt_start`` (capped at the prompt) on."""
+    start = getattr(request.sampling_params, "routed_experts_prompt_start", 0) or 0
+    return max(request.num_tokens - 1 - min(start, request.num_prompt_tokens), 0)
 
 
 def wrap_for_replay(scheduler: Any, default: bool) -> None:

@@ -50,3 +50,19 @@ def test_the_worker_reads_them_when_its_arguments_leave_the_choice_open(monkeypa
         TritonAuxOutputWorker(sizing)
     TritonAuxOutputWorker(sizing, kernel_impl="reference").close()
     worker.close()
+
+
+def test_the_replay_log_interval_defaults_to_vllms_stats_interval(monkeypatch):
+    monkeypatch.delenv("R3CAPTURE_REPLAY_LOG_INTERVAL_S", raising=False)
+    assert envs.replay_log_interval_s() == 10.0
+    monkeypatch.setenv("R3CAPTURE_REPLAY_LOG_INTERVAL_S", " 0 ")
+    assert envs.replay_log_interval_s() == 0.0
+    monkeypatch.setenv("R3CAPTURE_REPLAY_LOG_INTERVAL_S", "2.5")
+    assert envs.replay_log_interval_s() == 2.5
+
+
+@pytest.mark.parametrize("raw", ["-1", "soon", "nan"])
+def test_a_replay_log_interval_that_is_not_seconds_is_refused_by_name(monkeypatch, raw):
+    monkeypatch.setenv("R3CAPTURE_REPLAY_LOG_INTERVAL_S", raw)
+    with pytest.raises(ValueError, match=f"R3CAPTURE_REPLAY_LOG_INTERVAL_S='{raw}'"):
+        envs.replay_log_interval_s()

@@ -248,6 +248,49 @@ def test_the_choice_outlives_a_preemption_and_is_forgotten_when_the_request_fini
     assert wrapped._replays == {} and wrapped._opted_out == set()
 
 
+def _finish(connector, request):
+    request.finished = True
+    connector.request_finished(request)
+
+
+def test_the_counts_say_what_was_returned_and_what_was_withheld(monkeypatch, caplog):
+    monkeypatch.setenv("R3CAPTURE_REPLAY_LOG_INTERVAL_S", "0")
+    wrapped = ReplaySchedulerConnector(_vllms(_kv()))
+    out, kept, late = _requests({REPLAY_KEY: False}, None, {REPLAY_KEY: False})
+    out.sampling_params.routed_experts_prompt_start = 30  # withheld: from token 30 on
+    never_scheduled = FakeRequest("aborted", range(8))
+    _schedule(wrapped, (out, 40), (kept, 40), (late, 16))
+    wrapped.request_finished(late)  # preempted: not finished, nothing counted
+    for request in (out, kept):
+        request.append(1, 2)
+    rows = np.zeros((41, 1, 2), dtype=np.uint8)
+    output = {"r1": connector_033.AuxRequestOutput(0, rows)}
+    assert wrapped.take_output(out, output) is None
+    assert len(wrapped.take_output(kept, output)) == 41
+    with caplog.at_level("INFO", logger="vllm.r3capture"):
+        _finish(wrapped, out)
+        _finish(wrapped, kept)
+        _finish(wrapped, never_scheduled)
+    assert wrapped.counts == replay.ReplayCounts(
+        requests_with_rows=1, rows_returned=41, requests_without_rows=1, rows_withheld=41 - 30
+    )
+    assert caplog.messages[-1] == "r3capture " + wrapped.counts.line()
+    assert "41 rows returned to 1 requests; 11 rows withheld from 1 requests" in caplog.text
+    assert len(caplog.messages) == 2  # one line a finished request; the aborted one adds none
+
+
+def test_the_counts_are_logged_at_most_once_an_interval(monkeypatch, caplog):
+    monkeypatch.setenv("R3CAPTURE_REPLAY_LOG_INTERVAL_S", "3600")
+    wrapped = ReplaySchedulerConnector(_vllms(_kv()))
+    requests = _requests(None, {REPLAY_KEY: False}, None)
+    _schedule(wrapped, *[(r, 40) for r in requests])
+    with caplog.at_level("INFO", logger="vllm.r3capture"):
+        for request in requests:
+            _finish(wrapped, request)
+    assert len(caplog.messages) == 1
+    assert wrapped.counts.requests_with_rows == 2 and wrapped.counts.rows_withheld == 39
+
+
 def test_under_an_opt_in_default_only_requests_that_ask_get_rows():
     wrapped = ReplaySchedulerConnector(_vllms(_kv()), default=False)
     silent, asked, refused = _requests(None, {REPLAY_KEY: True}, {REPLAY_KEY: False})

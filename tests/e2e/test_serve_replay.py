@@ -12,6 +12,7 @@ so there, the others leave the key out).
 from __future__ import annotations
 
 import json
+import re
 import urllib.error
 import urllib.request
 from dataclasses import dataclass, field
@@ -51,6 +52,8 @@ class ReplayRun:
     wants_rows: dict[str, bool] = field(default_factory=dict)
     refusals: dict[str, tuple[int, str]] = field(default_factory=dict)
     metrics: dict[str, float] = field(default_factory=dict)
+    # The server's own count of rows returned and withheld: its last log line of them.
+    logged: dict[str, int] = field(default_factory=dict)
 
 
 def _post(base_url: str, body: dict) -> tuple[int, bytes]:
@@ -142,12 +145,25 @@ def run_replay_scenario(base_url: str, model: str, *, opt_in_default: bool) -> R
     return run
 
 
+_COUNTS_LINE = re.compile(
+    r"routed experts: (?P<rows_returned>\d+) rows returned to (?P<requests_with_rows>\d+) "
+    r"requests; (?P<rows_withheld>\d+) rows withheld from (?P<requests_without_rows>\d+)"
+)
+
+
 def _serve(model, env, log_dir, *, pipeline_stages, opt_in_default) -> ReplayRun:
     name, args, env = server_launch("triton", tiny=True, env=env, pipeline_stages=pipeline_stages)
     if opt_in_default:
         args = [*args, "--aux-output-replay-default", "off"]
-    with VLLMServer(model, args, env=env, log_path=log_dir / f"{name}-replay.log") as server:
-        return run_replay_scenario(server.base_url, model, opt_in_default=opt_in_default)
+    # Log the counts at every finished request, so the last line has them all.
+    env = {**env, "R3CAPTURE_REPLAY_LOG_INTERVAL_S": "0"}
+    log_path = log_dir / f"{name}-replay.log"
+    with VLLMServer(model, args, env=env, log_path=log_path) as server:
+        run = run_replay_scenario(server.base_url, model, opt_in_default=opt_in_default)
+        lines = _COUNTS_LINE.findall(log_path.read_text(errors="replace"))
+    if lines:
+        run.logged = dict(zip(_COUNTS_LINE.groupindex, map(int, lines[-1])))
+    return run
 
 
 @pytest.fixture(scope="module")
@@ -220,6 +236,13 @@ def test_the_response_bytes_and_the_servers_counters_show_the_saving(run):
     cached = sum(a.cached_tokens for a in answers)
     assert computed + cached == sum(len(a.sequence) - 1 for a in answers)
     assert withheld > 0.4 * (returned + withheld)
+    # The server's own counts (its log line) say the same.
+    assert run.logged == {
+        "rows_returned": returned,
+        "requests_with_rows": sum(a.rows is not None for a in answers),
+        "rows_withheld": withheld,
+        "requests_without_rows": sum(a.rows is None for a in answers),
+    }
     print(
         f"\nrows returned {returned}, withheld {withheld} (computed {computed:.0f}, hit "
         f"{cached}); in_hit: {with_rows.body_bytes} B with its rows, {without.body_bytes} B "
