@@ -39,6 +39,7 @@ import dataclasses
 import random
 from typing import Any
 
+from sim.compare import run_vllm_all_opted_in
 from sim.engine import SimResult, replay_scheduler, run_trace, vllm_scheduler
 from sim.records import FINISHED_STOPPED, SimStats
 from sim.trace import Trace, random_trace
@@ -142,8 +143,6 @@ def _problem(trace: Trace, got: SimResult) -> str | None:
     problem = _emit_start_problem(trace, got)
     if problem is not None:
         return problem
-    from sim.compare import run_vllm_all_opted_in
-
     ref = run_vllm_all_opted_in(trace)
     return None if ref.error is not None else _against_vllm(trace, got, ref)
 
