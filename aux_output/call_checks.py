@@ -23,8 +23,9 @@ _INT64_MAX = 2**63 - 1
 
 def checked_emit_starts(
     metadata: Any, is_known: Callable[[str], bool], generation_now: int
-) -> np.ndarray:
-    """Check one step's metadata; return its emit starts (int64 ``[len(requests)]``).
+) -> list[int] | np.ndarray:
+    """Check one step's metadata; return its emit starts, in the order of ``requests``:
+    Python ints for up to ``EMIT_LIST_MAX`` requests, else int64 ``[len(requests)]``.
 
     ``is_known(request_id)``: whether the worker tracks the request in ``generation_now``.
     Block hashes and finish events may name only known or newly scheduled requests. vLLM
@@ -57,12 +58,14 @@ def checked_emit_starts(
         raise TypeError(f"metadata.requests must be a dict, got {type(requests).__name__}")
     if not requests:
         emit_starts = _NO_EMIT_STARTS  # steps that only finish requests, or none at all
+    elif len(requests) <= EMIT_LIST_MAX:
+        emit_starts = list(requests.values())
+        for value in emit_starts:
+            if type(value) is not int or not 0 <= value <= _INT64_MAX:
+                emit_starts = _emit_start_array(requests).tolist()
+                break
     else:
-        emit_starts = np.array(list(requests.values()))
-        if emit_starts.dtype is not _INT64:
-            emit_starts = _diagnosed_emit_starts(requests, emit_starts)
-        elif min(requests.values()) < 0:
-            _refuse_negative(requests)
+        emit_starts = _emit_start_array(requests)
     if type(block_hashes) is not dict and not isinstance(block_hashes, Mapping):
         raise TypeError(f"metadata.block_hashes must be a dict, got {type(block_hashes).__name__}")
     for request_id, packed in block_hashes.items():
@@ -90,6 +93,9 @@ def checked_emit_starts(
     return emit_starts
 
 
+# Second form of the emit starts: Python ints, up to this many scheduled requests (the long
+# tail of a batch, a few agentic turns), where numpy's fixed cost per call exceeds a loop's.
+EMIT_LIST_MAX = 32
 # What np.array makes of Python ints that fit int64 (numpy's builtin dtypes are singletons).
 _INT64 = np.dtype(np.int64)
 # What a step without scheduled requests hands on: shared, so never written.
@@ -97,24 +103,45 @@ _NO_EMIT_STARTS = np.zeros(0, np.int64)
 _NO_EMIT_STARTS.flags.writeable = False
 
 
-def _diagnosed_emit_starts(requests: Mapping[str, Any], emit_starts: np.ndarray) -> np.ndarray:
-    """``emit_starts`` (``np.array`` of the values of non-empty ``requests``, of a dtype
-    other than int64: numpy integers, or a value that is not an int64 int) as int64, or the
-    error naming what is wrong."""
-    if emit_starts.dtype.kind not in "iu":
-        raise TypeError(
-            f"metadata.requests must map request ids to int emit starts, got values of "
-            f"dtype {emit_starts.dtype}"
-        )
-    if min(requests.values()) < 0:
+def _emit_start_array(requests: Mapping[str, Any]) -> np.ndarray:
+    """The values of non-empty ``requests`` as int64 ``[len(requests)]``, or the error
+    naming what is wrong with them."""
+    values = list(requests.values())
+    # numpy reads a bool among ints as an int: only the types tell.
+    if set(map(type, values)) != _INT_ONLY:
+        return _diagnosed_emit_starts(requests)
+    emit_starts = np.array(values)
+    if emit_starts.dtype is not _INT64:
+        return _diagnosed_emit_starts(requests)  # an int beyond int64
+    if min(values) < 0:
         _refuse_negative(requests)
-    if emit_starts.dtype == np.uint64 and max(requests.values()) > _INT64_MAX:
-        # numpy reads 2**63 .. 2**64 - 1 as uint64; the cursors are int64.
+    return emit_starts
+
+
+_INT_ONLY = {int}
+
+
+def _diagnosed_emit_starts(requests: Mapping[str, Any]) -> np.ndarray:
+    """The values of ``requests``, which numpy did not read as int64 (numpy integers, ints
+    of several numpy types, or a value that is not an int64 int), as int64, or the error
+    naming what is wrong: judged value by value, as numpy's common type of a mix (float64
+    for int and uint64) says nothing of each."""
+    values = list(requests.values())
+    for value in values:
+        if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Integral):
+            raise TypeError(
+                f"metadata.requests must map request ids to int emit starts, got "
+                f"{type(value).__name__} {value!r}"
+            )
+    values = [int(value) for value in values]
+    if min(values) < 0:
+        _refuse_negative(requests)
+    if max(values) > _INT64_MAX:
         raise ValueError(
             f"metadata.requests has an emit start beyond int64: "
             f"{ {k: v for k, v in requests.items() if v > _INT64_MAX} }"
         )
-    return emit_starts.astype(np.int64)
+    return np.array(values, np.int64)
 
 
 def _refuse_negative(requests: Mapping[str, Any]) -> None:

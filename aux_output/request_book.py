@@ -107,8 +107,10 @@ class RequestBook:
         return self.device_side
 
     # ------------------------------------------------------------------ begin_step
-    def begin(self, metadata: AuxOutputConnectorMetadata, emit_starts: np.ndarray) -> None:
-        """Apply a step's metadata (checked, with its emit starts as int64 ``[R]``).
+    def begin(
+        self, metadata: AuxOutputConnectorMetadata, emit_starts: list[int] | np.ndarray
+    ) -> None:
+        """Apply a step's metadata (checked, with its emit starts: ``checked_emit_starts``).
 
         What the next launch needs happens now: rows for new requests, the emit-cursor check,
         a prefix-cache reset. The step's key work (new block hashes become store keys, the
@@ -142,11 +144,18 @@ class RequestBook:
             # The scheduler's requests are those of the last launch (the same rows, so the
             # same cached array) while it is in flight: every one of them is.
             if not (steps.layouts and rows is steps.layouts[-1].rows):
-                ahead = emit_starts > table.emit[rows]
-                if np.count_nonzero(ahead):
-                    ahead &= ~steps.covers(rows)
+                if type(emit_starts) is list:
+                    emit = table.emit
+                    ahead = [
+                        row
+                        for start, row in zip(emit_starts, rows.tolist())
+                        if start > emit.item(row)
+                    ]
+                else:
+                    ahead = rows[emit_starts > table.emit[rows]]
+                if len(ahead):
                     require(
-                        not np.count_nonzero(ahead),
+                        steps.covers(np.asarray(ahead, np.int64)).all(),
                         "auxiliary output Scheduler emit cursor moved ahead",
                     )
         block_hashes = metadata.block_hashes

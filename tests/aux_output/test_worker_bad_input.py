@@ -17,7 +17,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from test_worker import SIZES, K, L, batch_of, hashes, make_worker, meta, routes, run_step
 
-from r3capture.aux_output.call_checks import checked_emit_starts
+from r3capture.aux_output.call_checks import EMIT_LIST_MAX, checked_emit_starts
 from r3capture.aux_output.errors import AuxOutputProtocolError
 from r3capture.aux_output.sizing import WorkerSizing
 from r3capture.aux_output.types import PackedBlockHashes
@@ -167,8 +167,8 @@ METADATA_CORRUPTIONS = {
         ({"b": True}, TypeError),
         ({"b": 2**63}, ValueError),
         ({"b": np.uint64(2**63)}, ValueError),
-        ({"b": -(2**63) - 1}, TypeError),
-        ({"b": 2**64}, TypeError),
+        ({"b": -(2**63) - 1}, ValueError),
+        ({"b": 2**64}, ValueError),
         ({"b": np.float64(3.0)}, TypeError),
         ({"b": 3, "c": 2.5}, TypeError),
     ],
@@ -225,7 +225,7 @@ def test_block_hashes_of_two_item_sizes_pass_the_checks():
     unknown request beside them still fails."""
     two_sizes = {"a": PackedBlockHashes(bytes(16), 8), "b": PackedBlockHashes(bytes(32), 16)}
     known = {"b"}.__contains__
-    assert checked_emit_starts(meta({"a": 1}, two_sizes), known, 0).tolist() == [1]
+    assert checked_emit_starts(meta({"a": 1}, two_sizes), known, 0) == [1]
     with pytest.raises(KeyError, match="metadata.block_hashes names unknown request 'zz'"):
         checked_emit_starts(meta({"a": 1}, {**two_sizes, "zz": PACKED_OK}), known, 0)
 
@@ -258,11 +258,55 @@ def test_numpy_generation_and_a_read_only_mapping_of_requests_are_valid():
     assert worker.store.eviction_order() == twin.store.eviction_order()
 
 
-def test_uint64_emit_starts_that_fit_int64_are_kept():
+def _padded(requests: dict, to: int) -> dict:
+    """``requests`` after valid requests ``p0``, ``p1``, ... up to ``to`` entries."""
+    return {**{f"p{i}": i for i in range(to - len(requests))}, **requests}
+
+
+# Emit starts come back as Python ints up to EMIT_LIST_MAX requests, else as an array.
+EMIT_FORMS = {"list": EMIT_LIST_MAX, "array": EMIT_LIST_MAX + 1}
+
+
+@pytest.mark.parametrize("form", EMIT_FORMS)
+def test_uint64_emit_starts_that_fit_int64_are_kept(form):
     known = {"a"}.__contains__
     for start in (5, 2**63 - 1):
-        starts = checked_emit_starts(meta({"a": np.uint64(start)}), known, 0)
-        assert starts.dtype == np.int64 and starts.tolist() == [start]
+        requests = _padded({"a": np.uint64(start)}, EMIT_FORMS[form])
+        starts = checked_emit_starts(meta(requests), known, 0)
+        if form == "list":
+            assert type(starts) is list and all(type(v) is int for v in starts)
+        else:
+            assert starts.dtype == np.int64
+        assert list(starts) == list(range(len(requests) - 1)) + [start]
+
+
+@pytest.mark.parametrize("value, error", METADATA_CORRUPTIONS["requests"][2:], ids=repr)
+def test_both_forms_of_emit_starts_refuse_the_same_values(value, error):
+    """A bad emit start is refused with the same error however many requests the step
+    schedules, first or last among them."""
+    messages = set()
+    for size in EMIT_FORMS.values():
+        for requests in (_padded(value, size), {**value, **_padded({}, size - len(value))}):
+            with pytest.raises(error) as info:
+                checked_emit_starts(meta(requests), set(requests).__contains__, 0)
+            messages.add(str(info.value).split(":")[0])
+    assert len(messages) == 1, messages
+
+
+@pytest.mark.parametrize("form", EMIT_FORMS)
+def test_an_emit_cursor_ahead_is_refused_in_either_form(form):
+    """The scheduler's emit start ahead of the worker's cursor for one request of many,
+    with no step in flight to explain it, is a protocol violation (vLLM's assertion)."""
+    size = EMIT_FORMS[form]
+    worker = make_worker(max_num_seqs=size, max_num_batched_tokens=2 * size)
+    ids = [f"r{i}" for i in range(size)]
+    run_step(worker, meta(dict.fromkeys(ids, 0)), [(r, i, 0, 2) for i, r in enumerate(ids)])
+    assert run_step(worker, meta(dict.fromkeys(ids, 2)), [(r, i, 2, 1) for i, r in enumerate(ids)])
+    ahead = dict.fromkeys(ids, 3)
+    ahead[ids[size // 2]] = 4
+    with pytest.raises(AuxOutputProtocolError, match="emit cursor moved ahead"):
+        worker.begin_step(meta(ahead))
+    worker.close()
 
 
 def test_a_step_without_requests_has_int64_emit_starts_that_nothing_can_write():
