@@ -107,18 +107,16 @@ def _emit_start_array(requests: Mapping[str, Any]) -> np.ndarray:
     """The values of non-empty ``requests`` as int64 ``[len(requests)]``, or the error
     naming what is wrong with them."""
     values = list(requests.values())
-    # numpy reads a bool among ints as an int: only the types tell.
-    if set(map(type, values)) != _INT_ONLY:
-        return _diagnosed_emit_starts(requests)
     emit_starts = np.array(values)
     if emit_starts.dtype is not _INT64:
-        return _diagnosed_emit_starts(requests)  # an int beyond int64
-    if min(values) < 0:
+        return _diagnosed_emit_starts(requests)
+    lowest = emit_starts.min()
+    if lowest < 0:
         _refuse_negative(requests)
+    # numpy reads a bool among ints as 0 or 1: only the types tell, and only then.
+    if lowest <= 1 and bool in set(map(type, values)):
+        return _diagnosed_emit_starts(requests)
     return emit_starts
-
-
-_INT_ONLY = {int}
 
 
 def _diagnosed_emit_starts(requests: Mapping[str, Any]) -> np.ndarray:
