@@ -199,10 +199,11 @@ def check_host_counts(name: str, counts: Any, num_reqs: int) -> None:
 def checked_batch_arrays(
     input_batch: Any, max_num_seqs: int, max_num_batched_tokens: int
 ) -> tuple[list[str], np.ndarray, np.ndarray, int]:
-    """``input_batch``'s request ids (a list it owns), scheduler starts (``[R]``),
-    ``query_start_loc`` (``[R + 1]``; ``[0]`` for an empty step) and rows (its last entry),
-    after checking they agree and fit the worker's limits. The arrays are views: Model
-    Runner V2 makes them anew for every step."""
+    """``input_batch``'s request ids (a list it owns), scheduler starts (``[>= R]``),
+    ``query_start_loc`` (``[>= R + 1]``; ``[0]`` for an empty step) and rows (its entry
+    ``R``), after checking they agree and fit the worker's limits. The arrays are the
+    batch's own, uncut (``StepLayout`` cuts them when read): Model Runner V2 makes them anew
+    for every step."""
     request_ids = list(input_batch.req_ids)
     num_reqs = len(request_ids)
     if num_reqs > max_num_seqs:
@@ -215,14 +216,12 @@ def checked_batch_arrays(
         qsl = np.asarray(qsl)
     if type(starts) is not np.ndarray:
         starts = np.asarray(starts)
-    qsl = qsl[: num_reqs + 1]
-    starts = starts[:num_reqs]
-    if num_reqs and (len(qsl) != num_reqs + 1 or qsl.dtype.kind not in "iu"):
+    if num_reqs and (len(qsl) <= num_reqs or qsl.dtype.kind not in "iu"):
         raise ValueError(
             f"input_batch.query_start_loc_np must be integers with >= {num_reqs + 1} "
             f"entries for its {num_reqs} requests; got {qsl.dtype} [{len(qsl)}]"
         )
-    if len(starts) != num_reqs:
+    if len(starts) < num_reqs:
         raise ValueError(
             f"input_batch.num_computed_tokens_np must have >= {num_reqs} entries; got {len(starts)}"
         )

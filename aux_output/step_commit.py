@@ -39,10 +39,15 @@ class StepLayout:
     ``rows`` (request-table rows, int64 ``[R]``), ``token_starts`` (the scheduler's start of
     each request's rows, ``[R]``), ``query_start_loc`` (``[R + 1]``) and ``num_tokens``
     (rows scheduled per request, ``[R]``); integer arrays. ``num_rows``: the step's rows
-    (``query_start_loc[-1]``), an int."""
+    (``query_start_loc[R]``), an int.
+
+    The host arrays may be given longer (Model Runner V2 sizes them for the most requests):
+    they are cut to the step on first read, by the output thread's commit, so the launch
+    pays for no view it does not need."""
 
     __slots__ = (
-        "request_ids", "rows", "token_starts", "query_start_loc", "num_rows", "_num_tokens"
+        "request_ids", "rows", "num_rows", "_starts", "_qsl", "_token_starts",
+        "_query_start_loc", "_num_tokens",
     )  # fmt: skip
 
     def __init__(
@@ -55,14 +60,27 @@ class StepLayout:
     ) -> None:
         self.request_ids = request_ids
         self.rows = rows
-        self.token_starts = token_starts
-        self.query_start_loc = query_start_loc
-        self.num_rows = int(query_start_loc[-1]) if num_rows is None else num_rows
+        self._starts = token_starts  # [>= R]
+        self._qsl = query_start_loc  # [>= R + 1]
+        self.num_rows = int(query_start_loc[len(rows)]) if num_rows is None else num_rows
+        self._token_starts: np.ndarray | None = None
+        self._query_start_loc: np.ndarray | None = None
         self._num_tokens: np.ndarray | None = None
 
     @property
+    def token_starts(self) -> np.ndarray:
+        if self._token_starts is None:
+            self._token_starts = self._starts[: len(self.rows)]
+        return self._token_starts
+
+    @property
+    def query_start_loc(self) -> np.ndarray:
+        if self._query_start_loc is None:
+            self._query_start_loc = self._qsl[: len(self.rows) + 1]
+        return self._query_start_loc
+
+    @property
     def num_tokens(self) -> np.ndarray:
-        # Made on first use, by the output thread's commit: the launch does not need it.
         if self._num_tokens is None:
             qsl = self.query_start_loc
             self._num_tokens = qsl[1:] - qsl[:-1]
