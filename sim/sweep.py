@@ -48,6 +48,7 @@ _KNOB_HOMES = {
     "PER_REQUEST_MAX": "r3capture.aux_output.small_step",
     "PER_ROW_MAX": "r3capture.aux_output.publisher",
     "HASHES_PER_OBJECT_MAX": "r3capture.store.keys",
+    "EMIT_LIST_MAX": "r3capture.aux_output.call_checks",
 }
 
 
@@ -111,6 +112,8 @@ def draw_case(seed: int) -> SweepCase:
     rollout = r.choice([None, None, *ROLLOUTS])
     # And after that: the key objects' bytes form (0: through key rows only).
     knobs["HASHES_PER_OBJECT_MAX"] = r.choice([0, 1, 32, 1000])
+    # And after that: the emit starts' Python-int form (0: always the array).
+    knobs["EMIT_LIST_MAX"] = r.choice([0, 1, 32, 1000])
     return SweepCase(
         seed=seed,
         shape=shape,
