@@ -323,6 +323,13 @@ BAD_CALLS = {
         "request_index must be contig",
     ),
     "index-float": ("request_index", lambda a: torch.tensor([1.0]), "request_index must be of"),
+    # [n, 1] has a unit stride too, in two dimensions: not a 1-D tensor.
+    "positions-column": ("positions", lambda a: a["positions"][:, None], "positions must be 1-D"),
+    "rejected-strided": (
+        "num_rejected",
+        lambda a: torch.zeros(4, dtype=torch.int32)[::2],
+        "num_rejected must be contig",
+    ),
     "fresh-float": ("fresh", lambda a: torch.tensor([1.0]), "fresh must be of dtype"),
     "launch-zero": ("launch", lambda a: 0, "launch must be an int in \\[1,"),
     "tail-negative": ("queue_tail", lambda a: -1, "queue_tail must be an int >= 0"),
@@ -356,8 +363,9 @@ class _TaggedTensor(torch.Tensor):
 
 @pytest.mark.parametrize("impl", ["triton", "reference"])
 def test_valid_arguments_of_other_types_take_the_checks_one_by_one_and_launch(impl):
-    """The step check's one expression wants exact types; a tensor subclass, an int subclass
-    or fresh flags go through every check in turn and launch like the usual call."""
+    """The step check's one expression wants exact types and strides; a tensor subclass, an
+    int subclass, fresh flags or a one-element tensor of another stride go through every
+    check in turn and launch like the usual call."""
     usual, unusual = _valid_call(), _valid_call()
     for args in (usual, unusual):
         args["queue"][:4] = torch.tensor([3, 1, 2, 0])
@@ -365,6 +373,9 @@ def test_valid_arguments_of_other_types_take_the_checks_one_by_one_and_launch(im
     unusual["positions"] = unusual["positions"].as_subclass(_TaggedTensor)
     unusual["num_reqs"] = type("Count", (int,), {})(1)
     unusual["fresh"] = torch.tensor([False])
+    # One element of stride 2: dense to torch, not of the expression's stride (1,).
+    unusual["request_index"] = torch.tensor([1, 7])[::2]
+    assert unusual["request_index"].is_contiguous() and unusual["request_index"].stride() == (2,)
     extra = dict(impl="triton") if impl == "triton" else {}
     call = gather_alloc if impl == "triton" else gather_alloc_reference
     call(**usual, **extra)
