@@ -557,7 +557,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--depths", help="comma-separated subset of: 2,1")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--out-dir", type=Path, default=RESULTS_DIR)
+    parser.add_argument("--out-dir", type=Path, default=RESULTS_DIR / "host_step")
     parser.add_argument(
         "--free", help="what-if: r3capture's parts counted as free, of: " + ",".join(ABLATIONS)
     )
