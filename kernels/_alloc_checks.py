@@ -28,8 +28,6 @@ BLOCK_LIMIT = (1 << RECORD_HI_BITS) - 2  # hash blocks 0 .. BLOCK_LIMIT - 1 have
 # The hi + 1 of a record no block reaches: the index was shared by two requests of a launch.
 RECORD_SHARED = (1 << RECORD_HI_BITS) - 1
 LAUNCH_LIMIT = 1 << (63 - RECORD_HI_BITS)
-# The stride of a dense 1-D tensor.
-_DENSE_1D = (1,)
 # heads [HEADS_LEN] int64: the queue head of even and of odd launches, the serial of the last
 # launch, and the programs of the running launch that have finished (0 between launches).
 HEADS_LEN = 4
@@ -180,9 +178,7 @@ def check_alloc_step_args(
     A launch is checked with one expression (the main thread runs this every step; it costs
     about a third less than the checks in turn, measured warm); only a call it refuses goes
     through every check in turn, which names the argument at fault and accepts what is
-    valid but not of the exact types the expression expects. A 1-D tensor is dense when its
-    stride is ``(1,)``: one read for both, as the step's fresh tensors cost most at their
-    first touches (a one-element or empty tensor of another stride takes the slow path)."""
+    valid but not of the exact types the expression expects."""
     q, p, i, r, f = query_start_loc, positions, request_index, num_rejected, fresh
     device = static.device
     if (
@@ -193,9 +189,9 @@ def check_alloc_step_args(
         and type(num_rows) is int
         and type(launch) is int
         and type(queue_tail) is int
-        and q.stride() == _DENSE_1D
-        and p.stride() == _DENSE_1D
-        and i.stride() == _DENSE_1D
+        and q.dim() == 1
+        and p.dim() == 1
+        and i.dim() == 1
         and q.dtype in INDEX_DTYPES
         and p.dtype in INDEX_DTYPES
         and i.dtype in INDEX_DTYPES
@@ -207,6 +203,9 @@ def check_alloc_step_args(
         and (not static.rows_layout or num_rows <= static.dest_rows)
         and 1 <= launch < LAUNCH_LIMIT
         and queue_tail >= 0
+        and q.is_contiguous()
+        and p.is_contiguous()
+        and i.is_contiguous()
         and q.device == device
         and p.device == device
         and i.device == device
@@ -214,9 +213,10 @@ def check_alloc_step_args(
             r is None
             or (
                 type(r) is torch.Tensor
-                and r.stride() == _DENSE_1D
+                and r.dim() == 1
                 and r.dtype in INDEX_DTYPES
                 and num_reqs <= r.shape[0]
+                and r.is_contiguous()
                 and r.device == device
             )
         )

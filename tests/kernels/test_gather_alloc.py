@@ -323,7 +323,7 @@ BAD_CALLS = {
         "request_index must be contig",
     ),
     "index-float": ("request_index", lambda a: torch.tensor([1.0]), "request_index must be of"),
-    # [n, 1] has a unit stride too, in two dimensions: not a 1-D tensor.
+    # [n, 1]: dense, with a unit stride, but not 1-D.
     "positions-column": ("positions", lambda a: a["positions"][:, None], "positions must be 1-D"),
     "rejected-strided": (
         "num_rejected",
@@ -363,9 +363,9 @@ class _TaggedTensor(torch.Tensor):
 
 @pytest.mark.parametrize("impl", ["triton", "reference"])
 def test_valid_arguments_of_other_types_take_the_checks_one_by_one_and_launch(impl):
-    """The step check's one expression wants exact types and strides; a tensor subclass, an
-    int subclass, fresh flags or a one-element tensor of another stride go through every
-    check in turn and launch like the usual call."""
+    """The step check's one expression wants exact types; a tensor subclass, an int subclass
+    or fresh flags go through every check in turn and launch like the usual call, as does a
+    one-element index of stride 2."""
     usual, unusual = _valid_call(), _valid_call()
     for args in (usual, unusual):
         args["queue"][:4] = torch.tensor([3, 1, 2, 0])
@@ -373,7 +373,7 @@ def test_valid_arguments_of_other_types_take_the_checks_one_by_one_and_launch(im
     unusual["positions"] = unusual["positions"].as_subclass(_TaggedTensor)
     unusual["num_reqs"] = type("Count", (int,), {})(1)
     unusual["fresh"] = torch.tensor([False])
-    # One element of stride 2: dense to torch, not of the expression's stride (1,).
+    # One element of stride 2: dense to torch, so valid.
     unusual["request_index"] = torch.tensor([1, 7])[::2]
     assert unusual["request_index"].is_contiguous() and unusual["request_index"].stride() == (2,)
     extra = dict(impl="triton") if impl == "triton" else {}
