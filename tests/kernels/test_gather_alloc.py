@@ -364,8 +364,8 @@ class _TaggedTensor(torch.Tensor):
 @pytest.mark.parametrize("impl", ["triton", "reference"])
 def test_valid_arguments_of_other_types_take_the_checks_one_by_one_and_launch(impl):
     """The step check's one expression wants exact types; a tensor subclass, an int subclass
-    or fresh flags go through every check in turn and launch like the usual call, as does a
-    one-element index of stride 2."""
+    or fresh flags go through every check in turn and launch like the usual call. A
+    one-element index of stride 2 is dense, and launches too."""
     usual, unusual = _valid_call(), _valid_call()
     for args in (usual, unusual):
         args["queue"][:4] = torch.tensor([3, 1, 2, 0])
