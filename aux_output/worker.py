@@ -198,11 +198,16 @@ class TritonAuxOutputWorker:
         ``positions`` (1-D token positions, ``[>= num_rows]``) and ``idx_mapping`` (each
         request's persistent index, ``[>= R]``, below ``max_num_seqs``), as Model Runner V2's
         ``InputBatch`` does; ``num_rejected`` (device ``[R]``) lets the kernel skip rejected
-        rows so they never reach the host.
+        rows so they never reach the host. A batch whose ``num_draft_tokens`` is 0 rejects
+        nothing, so its counts are left unread: the kernel keeps every scheduled row, as it
+        does for any step launched without them.
         """
         if num_rejected is None:
             num_rejected = self._num_rejected_next
         self._num_rejected_next = None
+        drafts = getattr(input_batch, "num_draft_tokens", None)
+        if type(drafts) is int and drafts == 0:
+            num_rejected = None  # one device tensor fewer to check and for the kernel to read
         if self._book is None or self._step_metadata is None:
             return None
         with self._lock:

@@ -15,7 +15,8 @@ same calls and measures each one:
   that wait excluded: the writer's CPU time already counts that work.
 * Inputs are built before the loop (metadata objects of vLLM's own classes, input batches
   with their recorded request indices, ``idx_mapping`` and ``idx_mapping_np``, numpy
-  arrays, the device ``num_rejected`` tensor); rows go into the capture buffer and vLLM's
+  arrays, the step's ``num_draft_tokens`` as MRV2 sets it, the device ``num_rejected``
+  tensor); rows go into the capture buffer and vLLM's
   snapshot cast is made outside the timed calls; r3capture's kernel (its torch reference on
   a CPU, which also takes the step's new slots) runs where the host would next wait for
   the device (``--inline-kernel``: inside the launching call, its time excluded). Both
@@ -375,10 +376,22 @@ def _build_inputs(recording: Any, metadata_types: tuple[type, type]) -> _StepInp
         elif kind == ENQUEUE:
             call = event[2]
             size = len(call.num_sampled)
+            batch = inputs.batches.get(step)
+            if batch is not None:
+                batch.num_draft_tokens = _num_draft_tokens(batch.query_start_loc_np, call)
             # vLLM hands over arrays its asynchronous copies fill in later.
             inputs.late[step] = (np.full(size, -1, np.int32), np.full(size, -1, np.int32))
             inputs.final[step] = (call.num_sampled, call.num_rejected)
     return inputs
+
+
+def _num_draft_tokens(query_start_loc: np.ndarray, enqueue: Any) -> int:
+    """The step's drafts, as MRV2's ``InputBatch.num_draft_tokens`` counts them: a request
+    verifying ``d`` drafts is scheduled ``1 + d`` rows, every one of them sampled or
+    rejected; a prefill chunk of ``n > 1`` rows samples at most one."""
+    counts = np.diff(query_start_loc[: len(enqueue.num_sampled) + 1])
+    verifying = (counts > 1) & (enqueue.num_sampled + enqueue.num_rejected == counts)
+    return int((counts[verifying] - 1).sum())
 
 
 @dataclass

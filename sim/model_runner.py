@@ -229,6 +229,7 @@ class SimModelRunner:
             positions=torch.from_numpy(pos_all),
             idx_mapping_np=idx_mapping_np,
             idx_mapping=idx_mapping,
+            num_draft_tokens=sum(sched.spec.get(req_id, 0) for req_id in req_ids),
         )
         pending = self._call(
             sched.index, "prepare_output", self.worker.prepare_output, batch, num_rejected

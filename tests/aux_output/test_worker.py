@@ -156,6 +156,44 @@ def test_prefill_then_speculative_decode(destination):
     worker.close()
 
 
+@pytest.mark.parametrize(
+    "drafts, kernel_reads_counts",
+    [(0, False), (2, True), (None, True), (np.int64(0), True)],
+    ids=["no-drafts", "drafts", "field-absent", "not-an-int"],
+)
+def test_rejected_counts_reach_the_kernel_only_for_a_batch_with_drafts(
+    monkeypatch, drafts, kernel_reads_counts
+):
+    """A batch whose ``num_draft_tokens`` is the int 0 cannot reject a row: the kernel is
+    launched without its (all-zero) counts. Drafts, no such field, or a value of another type
+    keep them. The rows returned are the same either way."""
+    from r3capture.kernels import GatherAllocLaunch
+
+    counts_seen = []
+    launch = GatherAllocLaunch.launch_checked
+    monkeypatch.setattr(
+        GatherAllocLaunch, "launch_checked", lambda *a: (counts_seen.append(a[5]), launch(*a))
+    )
+    worker = make_worker()
+    worker.begin_step(meta({"a": 0}))
+    worker.capture_buffer[:3] = torch.from_numpy(routes(1, 0, 3))
+    fields = dict(
+        req_ids=["a"],
+        query_start_loc_np=np.array([0, 3], np.int32),
+        num_computed_tokens_np=np.array([0], np.int32),
+        positions=torch.arange(3),
+    )
+    if drafts is not None:
+        fields["num_draft_tokens"] = drafts
+    worker.set_step_num_rejected(torch.zeros(1, dtype=torch.int32))
+    pending = worker.prepare_output(batch_of(worker, **fields))
+    pending.enqueue_cpu_copy(num_sampled=np.ones(1, np.int32), num_rejected=np.zeros(1, np.int32))
+    out = pending.process_output()
+    assert [counts is not None for counts in counts_seen] == [kernel_reads_counts]
+    assert np.array_equal(out["a"].rows, routes(1, 0, 3).astype(np.uint8))
+    worker.close()
+
+
 def test_a_step_without_requests_launches_nothing(monkeypatch):
     """An empty step launches no kernel (and so takes no launch serial); the steps around it
     still write their rows."""

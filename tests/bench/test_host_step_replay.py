@@ -138,6 +138,32 @@ def test_recorded_request_indices_are_the_simulators_and_the_replay_hands_them_b
         assert times.digests == recording.digests, provider
 
 
+def test_replayed_batches_carry_the_simulators_draft_counts():
+    """Each replayed batch's ``num_draft_tokens``, worked out from the recording, is the
+    one the simulator's batch carried (MRV2's: the step's drafts); the trace has steps with
+    drafts and steps without."""
+    from bench.host_step_replay import _build_inputs
+    from sim.recording import vllm_metadata_types
+    from sim.workers import WorkerHandle, make_vllm_worker
+
+    handed: list[int] = []
+
+    def factory(sizes):
+        inner = make_vllm_worker(sizes)
+
+        def prepare(batch, num_rejected):
+            handed.append(batch.num_draft_tokens)
+            return inner.prepare_output(batch, num_rejected)
+
+        return WorkerHandle("drafts", inner.worker, inner.capture_buffer, prepare, lambda: 0)
+
+    recording = record_trace(make_trace("async_spec", seed=0), worker_factory=factory)
+    assert recording.error is None and "engine_error" not in recording.info
+    batches = _build_inputs(recording, vllm_metadata_types()).batches
+    assert [batches[step].num_draft_tokens for step in sorted(batches)] == handed
+    assert 0 in handed and max(handed) > 0
+
+
 def test_replay_reports_a_broken_connector_as_different_digests(monkeypatch):
     """A connector whose rows are wrong must not match the recording (the ratio gate)."""
     from vllm.distributed.aux_output_connector import worker as vllm_worker
