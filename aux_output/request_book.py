@@ -186,7 +186,8 @@ class RequestBook:
 
     def is_in_flight(self, layout: StepLayout) -> bool:
         """Whether ``layout``'s step was launched and has not settled."""
-        return any(step is layout for step in self._steps.layouts)
+        # StepLayout has no __eq__: membership is identity, as in StepsInFlight.settle.
+        return layout in self._steps.layouts
 
     @property
     def queued_slots(self) -> int:
