@@ -228,10 +228,10 @@ def checked_batch_arrays(
     if num_reqs == 0:
         return request_ids, starts, _EMPTY_QSL, 0
     num_rows = qsl.item(num_reqs)
-    if num_rows > max_num_batched_tokens:
+    if not 0 <= num_rows <= max_num_batched_tokens:
         raise ValueError(
-            f"input_batch has {num_rows} rows, more than max_num_batched_tokens "
-            f"({max_num_batched_tokens})"
+            f"input_batch has {num_rows} rows (query_start_loc_np[{num_reqs}]), outside "
+            f"[0, max_num_batched_tokens = {max_num_batched_tokens}]"
         )
     return request_ids, starts, qsl, num_rows
 

@@ -25,7 +25,12 @@ from r3capture.aux_output.slot_queue import SlotQueue
 from r3capture.aux_output.step_commit import StepLayout
 from r3capture.aux_output.steps_in_flight import StepsInFlight
 from r3capture.kernels import KernelArgumentError
-from r3capture.kernels._alloc_checks import check_alloc_step_args
+from r3capture.kernels._alloc_checks import (
+    LAUNCH_LIMIT,
+    AllocShape,
+    check_alloc_step_args,
+    step_tensors_pass,
+)
 from r3capture.store import BlockStore
 
 
@@ -123,27 +128,39 @@ class StepLauncher:
         positions = getattr(input_batch, "positions", None)
         request_index = getattr(input_batch, "idx_mapping", None)
         queue = self.queue
-        try:
-            shape = check_alloc_step_args(
-                self._static,
-                query_start_loc=query_start_loc,
-                positions=positions,
-                request_index=request_index,
-                num_rejected=num_rejected,
-                fresh=None,
-                num_reqs=num_reqs,
-                num_rows=num_rows,
-                launch=self._launches + 1,
-                queue_tail=queue.tail,
-            )
-        except KernelArgumentError as exc:
-            raise input_batch_error(exc) from None
+        launch = self._launches + 1
+        # The counts are ints checked_batch_arrays kept within the sizing, which the static
+        # bounds cover (_attach): the tensors are left to check. A launch failing that is
+        # judged in full, which names the fault.
+        if launch >= LAUNCH_LIMIT or not step_tensors_pass(
+            self._static.device,
+            query_start_loc,
+            positions,
+            request_index,
+            num_rejected,
+            num_reqs,
+            num_rows,
+        ):
+            try:
+                check_alloc_step_args(
+                    self._static,
+                    query_start_loc=query_start_loc,
+                    positions=positions,
+                    request_index=request_index,
+                    num_rejected=num_rejected,
+                    fresh=None,
+                    num_reqs=num_reqs,
+                    num_rows=num_rows,
+                    launch=launch,
+                    queue_tail=queue.tail,
+                )
+            except KernelArgumentError as exc:
+                raise input_batch_error(exc) from None
         # Most blocks the launch can open: each request's rows and a partial first block.
         tail = queue.reserve(num_rows // self._block_size + num_reqs)
         if self._detached:
             self._attach()  # refilling grew the store: a new arena
-        if tail != shape.queue_tail:
-            shape = shape._replace(queue_tail=tail)
+        shape = AllocShape(num_reqs, num_rows, launch, tail)
         table = self._table
         fresh = table.take_fresh(layout.rows) if table.num_unlaunched else None
         if fresh is not None:
@@ -157,14 +174,30 @@ class StepLauncher:
             fresh=fresh is not None,
             num_rows=num_rows,
         )
-        self._launches += 1
+        self._launches = launch
         layouts.append(layout)
         return launched
 
     def _attach(self) -> None:
         """Make the kernel's destination the store's current arena."""
         self.device_side.attach(self._arena_blocks())
-        self._static = self.device_side.static
+        static = self.device_side.static
+        sizing = self._sizing
+        # What lets launch() skip checking its counts: the batch's (checked_batch_arrays)
+        # never pass the sizing's limits, which these bounds must cover.
+        most_rows = sizing.max_num_batched_tokens
+        if (
+            static.max_requests < sizing.max_num_seqs
+            or static.capture_rows < most_rows
+            or (static.rows_layout and static.dest_rows < most_rows)
+        ):
+            raise ValueError(
+                f"the capture kernel's buffers ({static.max_requests} requests, "
+                f"{static.capture_rows} capture rows, {static.dest_rows} destination rows) "
+                f"must cover max_num_seqs ({sizing.max_num_seqs}) and "
+                f"max_num_batched_tokens ({most_rows})"
+            )
+        self._static = static
         self._detached = False
 
     def _arena_blocks(self) -> torch.Tensor:

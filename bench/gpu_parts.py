@@ -82,7 +82,7 @@ def _part_targets() -> list[tuple[Any, str, str]]:
 
     return [
         (request_book.RequestBook, "layout_of", "layout_of"),
-        (step_launcher, "check_alloc_step_args", "launcher checks"),
+        (step_launcher, "step_tensors_pass", "launcher checks"),
         (slot_queue.SlotQueue, "reserve", "queue reserve"),
         (request_table.RequestTable, "take_fresh", "fresh flags"),
         (step_launcher.StepLauncher, "_attach", "attach"),

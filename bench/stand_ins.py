@@ -175,7 +175,7 @@ ABLATIONS = {
     "input-checks": (
         ("r3capture.aux_output.worker", "checked_emit_starts"),
         ("r3capture.aux_output.request_book", "checked_batch_arrays"),
-        ("r3capture.aux_output.step_launcher", "check_alloc_step_args"),
+        ("r3capture.aux_output.step_launcher", "step_tensors_pass"),
     ),
     # Publication: block hashes becoming keys, blocks bound to them, pins, teardown. Not
     # capturing opted-out requests' rows (issue 60) could save at most their share of it.

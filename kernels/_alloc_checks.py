@@ -175,34 +175,60 @@ def check_alloc_step_args(
     """Validate one launch's arguments; ``num_reqs`` None means ``len(query_start_loc) - 1``
     and ``num_rows`` None every capture row.
 
-    A launch is checked with one expression (the main thread runs this every step; it costs
-    about a third less than the checks in turn, measured warm); only a call it refuses goes
-    through every check in turn, which names the argument at fault and accepts what is
-    valid but not of the exact types the expression expects."""
+    A launch is checked with two expressions, its counts and then its tensors
+    (``step_tensors_pass``); only a call they refuse goes through every check in turn, which
+    names the argument at fault and accepts what is valid but not of the exact types the
+    expressions expect."""
     q, p, i, r, f = query_start_loc, positions, request_index, num_rejected, fresh
-    device = static.device
     if (
-        type(q) is torch.Tensor
-        and type(p) is torch.Tensor
-        and type(i) is torch.Tensor
-        and type(num_reqs) is int
+        type(num_reqs) is int
         and type(num_rows) is int
         and type(launch) is int
         and type(queue_tail) is int
+        and 0 <= num_reqs <= static.max_requests
+        and 0 <= num_rows <= static.capture_rows
+        and (not static.rows_layout or num_rows <= static.dest_rows)
+        and 1 <= launch < LAUNCH_LIMIT
+        and queue_tail >= 0
+        and f is None
+        and step_tensors_pass(static.device, q, p, i, r, num_reqs, num_rows)
+    ):
+        return AllocShape(num_reqs, num_rows, launch, queue_tail)
+    return _check_one_by_one(static, q, p, i, r, f, num_reqs, num_rows, launch, queue_tail)
+
+
+def step_tensors_pass(
+    device: torch.device,
+    query_start_loc: object,
+    positions: object,
+    request_index: object,
+    num_rejected: object,
+    num_reqs: int,
+    num_rows: int,
+) -> bool:
+    """Whether a launch's device tensors pass every check ``check_alloc_step_args`` makes of
+    them, for counts ``num_reqs``/``num_rows`` (ints) already within the launch's static
+    bounds: 1-D, contiguous ``int32``/``int64`` tensors on ``device``, ``query_start_loc``
+    ``[> num_reqs]``, ``positions`` ``[>= num_rows]``, ``request_index`` and
+    ``num_rejected`` (None: not passed) ``[>= num_reqs]``.
+
+    One expression, for a caller that launches every step and whose counts are its own
+    (the worker). False names nothing, and may refuse what is valid in another form (a
+    tensor subclass): ``check_alloc_step_args`` then judges the launch and names a fault."""
+    q, p, i, r = query_start_loc, positions, request_index, num_rejected
+    return (
+        type(q) is torch.Tensor
+        and type(p) is torch.Tensor
+        and type(i) is torch.Tensor
         and q.dim() == 1
         and p.dim() == 1
         and i.dim() == 1
         and q.dtype in INDEX_DTYPES
         and p.dtype in INDEX_DTYPES
         and i.dtype in INDEX_DTYPES
-        and 0 <= num_reqs < q.shape[0]
-        and num_reqs <= static.max_requests
+        and num_reqs < q.shape[0]
         and num_reqs <= i.shape[0]
-        and 0 <= num_rows <= static.capture_rows
         and num_rows <= p.shape[0]
-        and (not static.rows_layout or num_rows <= static.dest_rows)
-        and 1 <= launch < LAUNCH_LIMIT
-        and queue_tail >= 0
         and q.is_contiguous()
         and p.is_contiguous()
         and i.is_contiguous()
@@ -220,10 +246,7 @@ def check_alloc_step_args(
                 and r.device == device
             )
         )
-        and f is None
-    ):
-        return AllocShape(num_reqs, num_rows, launch, queue_tail)
-    return _check_one_by_one(static, q, p, i, r, f, num_reqs, num_rows, launch, queue_tail)
+    )
 
 
 def _check_one_by_one(

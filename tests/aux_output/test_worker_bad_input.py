@@ -410,6 +410,7 @@ BATCH_CORRUPTIONS = {
         np.array([0.0, 1.0]),
         np.array([], np.int32),
         np.array([0, SIZES["max_num_batched_tokens"] + 1], np.int32),  # one row too many
+        np.array([0, -1], np.int32),  # fewer than no rows
     ],
     "num_computed_tokens_np": [np.array([], np.int32)],
     "positions": [
@@ -689,3 +690,49 @@ def test_a_launch_serial_off_by_one_fails_that_step_and_every_later_one(options)
         ):
             run_step(worker, meta({"b": 0} if step else {"a": 4, "b": 0}), [("b", 2, 0, 4)])
     worker.close()
+
+
+def test_a_kernel_whose_buffers_do_not_cover_the_sizing_is_refused(monkeypatch):
+    """The launch checks only the batch's tensors, trusting its counts to the sizing's
+    limits: attaching a kernel whose buffers hold fewer rows than max_num_batched_tokens
+    is refused by name."""
+    from dataclasses import replace
+
+    from r3capture.aux_output.device_side import DeviceSide
+
+    static = DeviceSide.static
+    monkeypatch.setattr(
+        DeviceSide,
+        "static",
+        property(
+            lambda side: replace(
+                static.fget(side), capture_rows=SIZES["max_num_batched_tokens"] - 1
+            )
+        ),
+    )
+    with pytest.raises(ValueError, match="must cover max_num_seqs .* and max_num_batched_tokens"):
+        make_worker()
+
+
+class _PositionsTensor(torch.Tensor):
+    """A tensor subclass: valid input the launch's one-expression check does not take."""
+
+
+def test_a_tensor_subclass_of_positions_launches_like_a_tensor():
+    """The launch's quick check refuses what is not exactly a torch.Tensor; the full check
+    then accepts a valid subclass and the step returns the twin's rows."""
+    worker, twin = make_worker(), make_worker()
+    _first_step(worker), _first_step(twin)
+    outputs = []
+    for w in (worker, twin):
+        w.begin_step(meta({"b": 3}))
+        w.capture_buffer[:1] = torch.from_numpy(routes(2, 3, 1))
+        fields = _batch_fields()
+        if w is worker:
+            fields["positions"] = fields["positions"].as_subclass(_PositionsTensor)
+            assert type(fields["positions"]) is _PositionsTensor
+        pending = w.prepare_output(batch_of(w, **fields))
+        pending.enqueue_cpu_copy(np.ones(1, np.int32), np.zeros(1, np.int32))
+        outputs.append(pending.process_output())
+    assert _same_outputs(*outputs) and outputs[0]
+    assert _same_outputs(_second_step(worker), _second_step(twin))
