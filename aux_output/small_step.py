@@ -190,7 +190,7 @@ def _emit(
             first = ring.item(row, block % width) * B + position - block * B
             index.extend(range(first, first + stop - position))
             position = stop
-    # take, not fancy indexing: the same copy at a quarter of the fixed cost for a few rows.
+    # take, not fancy indexing: the same copy at about a third of the fixed cost for a few rows.
     emitted = arena_rows.take(index, axis=0)
     outputs = {}
     offset = 0
