@@ -208,45 +208,48 @@ def step_tensors_pass(
 ) -> bool:
     """Whether a launch's device tensors pass every check ``check_alloc_step_args`` makes of
     them, for counts ``num_reqs``/``num_rows`` (ints) already within the launch's static
-    bounds: 1-D, contiguous ``int32``/``int64`` tensors on ``device``, ``query_start_loc``
-    ``[> num_reqs]``, ``positions`` ``[>= num_rows]``, ``request_index`` and
-    ``num_rejected`` (None: not passed) ``[>= num_reqs]``.
+    bounds: 1-D ``int32``/``int64`` tensors of unit stride on ``device``,
+    ``query_start_loc`` ``[> num_reqs]``, ``positions`` ``[>= num_rows]``, ``request_index``
+    and ``num_rejected`` (None: not passed) ``[>= num_reqs]``.
 
     One expression, for a caller that launches every step and whose counts are its own
-    (the worker). False names nothing, and may refuse what is valid in another form (a
-    tensor subclass): ``check_alloc_step_args`` then judges the launch and names a fault."""
+    (the worker); a unit stride stands for 1-D and dense in one read, and ``numel`` for the
+    length. False names nothing, and may refuse what is valid in another form (a tensor
+    subclass, one element of another stride): ``check_alloc_step_args`` then judges the
+    launch and names a fault."""
     q, p, i, r = query_start_loc, positions, request_index, num_rejected
     return (
-        type(q) is torch.Tensor
-        and type(p) is torch.Tensor
-        and type(i) is torch.Tensor
-        and q.dim() == 1
-        and p.dim() == 1
-        and i.dim() == 1
-        and q.dtype in INDEX_DTYPES
-        and p.dtype in INDEX_DTYPES
-        and i.dtype in INDEX_DTYPES
-        and num_reqs < q.shape[0]
-        and num_reqs <= i.shape[0]
-        and num_rows <= p.shape[0]
-        and q.is_contiguous()
-        and p.is_contiguous()
-        and i.is_contiguous()
+        type(q) is _TENSOR
+        and type(p) is _TENSOR
+        and type(i) is _TENSOR
+        and q.stride() == _DENSE_1D
+        and p.stride() == _DENSE_1D
+        and i.stride() == _DENSE_1D
+        and q.dtype in _INDEX_DTYPE_SET
+        and p.dtype in _INDEX_DTYPE_SET
+        and i.dtype in _INDEX_DTYPE_SET
+        and num_reqs < q.numel()
+        and num_reqs <= i.numel()
+        and num_rows <= p.numel()
         and q.device == device
         and p.device == device
         and i.device == device
         and (
             r is None
             or (
-                type(r) is torch.Tensor
-                and r.dim() == 1
-                and r.dtype in INDEX_DTYPES
-                and num_reqs <= r.shape[0]
-                and r.is_contiguous()
+                type(r) is _TENSOR
+                and r.stride() == _DENSE_1D
+                and r.dtype in _INDEX_DTYPE_SET
+                and num_reqs <= r.numel()
                 and r.device == device
             )
         )
     )
+
+
+_TENSOR = torch.Tensor
+_DENSE_1D = (1,)  # the stride of a dense 1-D tensor of two or more elements
+_INDEX_DTYPE_SET = frozenset(INDEX_DTYPES)
 
 
 def _check_one_by_one(

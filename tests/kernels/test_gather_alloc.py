@@ -383,3 +383,50 @@ def test_valid_arguments_of_other_types_take_the_checks_one_by_one_and_launch(im
     for name in ("ring", "records", "heads", "dest", "step_info"):
         assert torch.equal(usual[name], unusual[name]), name
     assert usual["step_info"][0].tolist() == [0, 2, Status.OK, 1]
+
+
+# Forms of a step's 1-D index tensor of n entries: MRV2's (the first two) and others.
+_INDEX_FORMS = {
+    "int32": lambda n: torch.arange(n, dtype=torch.int32),
+    "int64": lambda n: torch.arange(n, dtype=torch.int64),
+    "float": lambda n: torch.arange(n, dtype=torch.float32),
+    "column": lambda n: torch.arange(n)[:, None],
+    "strided": lambda n: torch.arange(2 * n)[::2],
+    "scalar": lambda n: torch.tensor(n),
+    "short": lambda n: torch.arange(n - 1),
+    "meta": lambda n: torch.arange(n, device="meta"),
+    "subclass": lambda n: torch.arange(n).as_subclass(_TaggedTensor),
+    "list": lambda n: list(range(n)),
+}
+_STEP_TENSORS = {"query_start_loc": 3, "positions": 4, "request_index": 2, "num_rejected": 2}
+
+
+@pytest.mark.parametrize("form", list(_INDEX_FORMS))
+@pytest.mark.parametrize("argument", list(_STEP_TENSORS))
+def test_the_one_expression_accepts_only_what_the_full_check_accepts(argument, form):
+    """``step_tensors_pass``, the launch's one-expression check, never passes a step tensor
+    that the full check refuses, and passes Model Runner V2's forms (int32/int64, dense,
+    1-D, long enough, on the device): 2 requests, 4 rows."""
+    from r3capture.kernels._alloc_checks import (
+        check_alloc_static_args,
+        check_alloc_step_args,
+        step_tensors_pass,
+    )
+
+    state = _valid_call()
+    static = check_alloc_static_args(
+        **{k: state[k] for k in ("capture", "ring", "records", "queue", "heads", "dest")},
+        step_info=state["step_info"], hash_block=None, num_slots=None,
+    )  # fmt: skip
+    step = {name: torch.arange(n) for name, n in _STEP_TENSORS.items()}
+    step[argument] = _INDEX_FORMS[form](_STEP_TENSORS[argument])
+    fast = step_tensors_pass(static.device, *step.values(), num_reqs=2, num_rows=4)
+    try:
+        check_alloc_step_args(
+            static, **step, fresh=None, num_reqs=2, num_rows=4, launch=1, queue_tail=0
+        )
+        accepted = True
+    except ValueError:
+        accepted = False
+    assert accepted or not fast
+    assert fast == (form in ("int32", "int64"))
