@@ -259,6 +259,26 @@ def test_deferred_kernel_runs_outside_every_call_and_keeps_the_outputs(monkeypat
     assert (deferred.calls[:, :, 1] < slow_ns // 5).all(), deferred.calls[:, :, 1].max()
 
 
+def test_deferred_kernel_keeps_the_launchers_arguments_until_settled():
+    """Under ``defer`` the stand-in keeps the launcher's own dict of arguments, no copy (a
+    copy costs the timed call what no GPU launch does); a next launch with that dict still
+    pending is refused rather than emulated later on the next step's values."""
+    module, attr = kernel_binding()
+    args = {"query_start_loc": None}
+    with KernelStandIn(defer=True) as exclusion:
+        kernel = getattr(module, attr)
+        kernel(args, "static", "shape")
+        (pending,) = exclusion._deferred
+        assert pending[1][0] is args and pending[1][1:] == ("static", "shape")
+        with pytest.raises(RuntimeError, match="not settled before the next launch"):
+            kernel(args, "static", "shape")
+        assert exclusion.launches == 2 and len(exclusion._deferred) == 1
+        exclusion._deferred.clear()  # placeholders: nothing to emulate at exit
+        kernel({"query_start_loc": None}, "static", "shape")  # another dict: no conflict
+        assert len(exclusion._deferred) == 1
+        exclusion._deferred.clear()
+
+
 def test_deferred_kernel_settles_before_the_device_side_waits(monkeypatch):
     """A store replacing its arena waits for the device (``DeviceSide.wait_idle``): under
     ``defer`` the launches not yet run run first; the method is restored on exit."""
