@@ -107,10 +107,25 @@ class Publisher:
         return join_key_objects(key_parts), np.concatenate(slot_parts)
 
     def flush(self) -> None:
-        """Apply every queued store call, in the order it was queued."""
+        """Apply every queued store call, in the order it was queued. A call that only
+        retains (a step's new keys, before their blocks are complete) rides on the next
+        call as its first retains: the same store updates in one call, where a decode step
+        that completes a block would otherwise make two."""
         queued, self._queued = self._queued, []
-        for keys, slots, retain_keys, release_keys in queued:
-            self._store.bind(keys, slots, retain_keys=retain_keys, release_keys=release_keys)
+        first: KeyObjects = NO_KEY_OBJECTS
+        last = len(queued) - 1
+        for i, (keys, slots, retain_keys, release_keys) in enumerate(queued):
+            if i < last and not len(keys) and not len(release_keys):
+                first = join_keys((first, retain_keys))
+                continue
+            self._store.bind(
+                keys,
+                slots,
+                retain_keys=retain_keys,
+                release_keys=release_keys,
+                retain_first_keys=first,
+            )
+            first = NO_KEY_OBJECTS
 
     def free(self, slots: np.ndarray) -> None:
         """Return unbound slots (int64) of requests that are gone to the store's reserve."""

@@ -66,6 +66,7 @@ import torch
 from r3capture.store.arena import Arena
 from r3capture.store.keys import (
     KEY_WORDS,
+    NO_KEY_OBJECTS,
     KeyObjects,
     as_key_objects,
     key_object_string,
@@ -267,12 +268,17 @@ class BlockStore:
         *,
         retain_keys: Keys = (),
         release_keys: Keys = (),
+        retain_first_keys: Keys = NO_KEY_OBJECTS,
     ) -> None:
         """Give unbound slot ``slots[i]`` (already written) the key ``keys[i]``.
 
         ``put`` semantics without a copy. Every given slot leaves the reserve; a slot whose
         key is kept (existing referenced key, or an earlier duplicate in the batch) or evicted
         at once is returned to the free pool.
+
+        ``retain_first_keys``: retained before anything else, so that the call does what a
+        ``bind`` of these retains alone followed by this call would (a caller's two calls in
+        one), except that a failed release check leaves the store unchanged.
         """
         self._check_open()
         keys = as_key_objects(keys)
@@ -281,7 +287,7 @@ class BlockStore:
             raise ValueError(
                 f"slots: expected {len(keys)} slots for {len(keys)} keys, got {len(given)}"
             )
-        admitted = self._admit(keys, retain_keys, release_keys)
+        admitted = self._admit(keys, retain_keys, release_keys, retain_first_keys)
         self._pool.settle(given)
         if len(admitted.keys) == len(given):
             used = given
@@ -386,13 +392,20 @@ class BlockStore:
         self._ledger.assign(admitted.keys, slots)
         self._space.write(slots, blocks)
 
-    def _admit(self, keys: KeyObjects, retain_keys: Keys, release_keys: Keys) -> Admission:
+    def _admit(
+        self,
+        keys: KeyObjects,
+        retain_keys: Keys,
+        release_keys: Keys,
+        retain_first_keys: Keys = NO_KEY_OBJECTS,
+    ) -> Admission:
         """The ledger's admission of one publication, after which the arena has room for
         every stored key (it grows when every key is referenced)."""
         retains = as_key_objects(retain_keys, name="retain_keys")
         releases = as_key_objects(release_keys, name="release_keys")
+        first = as_key_objects(retain_first_keys, name="retain_first_keys")
         ledger = self._ledger
-        admitted = ledger.admit(keys, retains, releases)
+        admitted = ledger.admit(keys, retains, releases, first)
         if ledger.num_stored > self.num_slots:
             self._grow(max(ledger.num_stored, 2 * self.num_slots))
         return admitted

@@ -73,12 +73,24 @@ class Ledger:
         return len(self._slots)
 
     def admit(
-        self, keys: Sequence[bytes], retained: Sequence[bytes], released: Sequence[bytes]
+        self,
+        keys: Sequence[bytes],
+        retained: Sequence[bytes],
+        released: Sequence[bytes],
+        retained_first: Sequence[bytes] = (),
     ) -> Admission:
-        """Apply one publication (key objects each); see the module docstring. Raises
-        ``KeyError`` (nothing changed) if a key is released more often than it is held."""
+        """Apply one publication (key objects each); see the module docstring.
+        ``retained_first`` are retained before step 1, as a publication of retains alone
+        just before this one would: one of them that is stored and unreferenced is then
+        held, not replaced. Raises ``KeyError`` (nothing changed) if a key is released more
+        often than it is held."""
         slots, lru, refs = self._slots, self._lru, self._refs
-        distinct = self._check_releases(retained, released) if released else True
+        distinct = True
+        if released:
+            every_retain = [*retained_first, *retained] if retained_first else retained
+            distinct = self._check_releases(every_retain, released)
+        if retained_first:
+            self._retain(retained_first)
         unique = dict.fromkeys(keys)
         if slots and unique:
             replaced = list(filter(lru.__contains__, unique))

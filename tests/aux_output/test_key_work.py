@@ -144,3 +144,40 @@ def test_publication_binds_only_blocks_the_cursor_has_passed():
         publisher.flush()
         assert table.base[row] == published, cursor
         assert len(store) == published, cursor
+
+
+def test_a_retain_only_call_rides_on_the_next_store_call(monkeypatch):
+    """A decode step that completes a block queues the retain of its new key, then the
+    bind of the block: ``flush`` makes them one store call, the retains first; a retain-only
+    call with nothing after it is made alone. The store ends as after the two calls."""
+    store = BlockStore(max_bytes=64 * 8, object_nbytes=8, reserve_slots=16)
+    table = RequestTable(ring_width=4)
+    publisher = Publisher(store, table, BLOCK_SIZE)
+    queue = KeyWorkQueue(table, publisher)
+    calls = []
+    bind = store.bind
+
+    def counted(keys, slots, **refs):
+        calls.append((len(keys), {name: len(keys) for name, keys in refs.items()}))
+        return bind(keys, slots, **refs)
+
+    monkeypatch.setattr(store, "bind", counted)
+    row = table.add("a", 0)
+    table.extend(np.array([row]), np.array([0]), np.array([1]), store.allocate(1))
+    work = StepKeyWork(None, None, 0)
+    work.rows.append(row)
+    work.hashes.append(packed(1))
+    queue.record(work)
+    queue.apply_all()  # the key joins the request, its block not yet complete
+    table.cursor[row] = BLOCK_SIZE
+    publisher.publish(np.array([row], np.int64))
+    publisher.flush()
+    expect = {"retain_keys": 0, "release_keys": 0, "retain_first_keys": 1}
+    assert calls == [(1, expect)]
+    assert held(store) == {pin_key(1): 1} and len(store) == 1 and store.num_unbound == 0
+    calls.clear()
+    queue.record(StepKeyWork(packed(2), None, 0))
+    queue.apply_all()
+    publisher.flush()
+    assert calls == [(0, {"retain_keys": 1, "release_keys": 0, "retain_first_keys": 0})]
+    assert held(store) == {pin_key(1): 1, pin_key(2): 1}

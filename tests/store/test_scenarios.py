@@ -481,6 +481,28 @@ def test_bind_existing_referenced_key_returns_the_slot():
     np.testing.assert_array_equal(store.allocate(1), slots[:1])
 
 
+def test_bind_retains_first_keys_before_anything_else_of_the_call():
+    """``retain_first_keys`` does what a retain-only call just before would: an unreferenced
+    key among them is held before the bind, so it keeps its bytes (``retain_keys`` would
+    replace it, ``test_retain_in_same_call_still_replaces_an_unreferenced_key``)."""
+    store = make(capacity=3, reserve=2)
+    put(store, "ab")
+    slots = store.allocate(2)
+    store.arena_np[slots] = np.frombuffer(blk("z") + blk("c"), np.uint8).reshape(2, NB)
+    store.bind(Ks("ac"), slots, retain_keys=Ks("c"), retain_first_keys=Ks("a"))
+    assert store.get_concatenated(Ks("ac")) == blk("a") + blk("c")  # a kept its bytes
+    assert store.ref_count(K("a")) == store.ref_count(K("c")) == 1
+    assert lru(store) == ["b"] and store.num_unbound == 0
+    # Releases are checked against both retains, before anything changes.
+    with pytest.raises(KeyError, match="released 2 time"):
+        store.bind(Ks(""), slots[:0], release_keys=Ks("bb"), retain_first_keys=Ks("b"))
+    assert store.ref_count(K("b")) == 0 and lru(store) == ["b"]
+    store.bind(
+        Ks(""), slots[:0], release_keys=Ks("bb"), retain_first_keys=Ks("b"), retain_keys=Ks("b")
+    )
+    assert store.ref_count(K("b")) == 0 and lru(store) == ["b"]
+
+
 def test_bind_replaces_unreferenced_key_and_dedups():
     store = make(capacity=3, reserve=3)
     put(store, "a")
