@@ -170,9 +170,9 @@ def queue_size(sizing: WorkerSizing) -> int:
 
 
 def reserve_slots(sizing: WorkerSizing) -> int:
-    """Store slots kept beyond ``max_bytes`` for unbound blocks: the queue's stock, the blocks
-    a step can touch and each request's open block for every step in flight and the one being
-    prepared (vLLM's staging bound), and one step of blocks handed over by ``begin_step``
-    whose store call waits for the output thread."""
+    """Store slots kept beyond ``max_bytes`` for unbound blocks: the queue's entries (a
+    refill fills the ring), the blocks a step can touch and each request's open block for
+    every step in flight and the one being prepared (vLLM's staging bound), and one step of
+    blocks handed over by ``begin_step`` whose store call waits for the output thread."""
     depth = sizing.max_concurrent_batches
-    return queue_stock(sizing) + (depth + 1) * sizing.blocks_per_step + sizing.max_num_seqs
+    return queue_size(sizing) + (depth + 1) * sizing.blocks_per_step + sizing.max_num_seqs

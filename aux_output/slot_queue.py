@@ -6,9 +6,12 @@ the step is committed, in launch order (``committed``). Entries ``committed .. t
 are free slots allocated from the store's producer reserve; the launches in flight take
 from their front.
 
-The output thread refills the queue after each commit, back to ``stock`` entries ahead of
-the committed head, which covers every launch that can be in flight; the launch checks that
-with one comparison and refills on the main thread only if it ever fails. Entries are
+The output thread refills the queue after a commit that leaves fewer than ``stock`` entries
+ahead of the committed head (``stock`` covers every launch that can be in flight), and then
+fills the whole ring: a decode step opens a block or two, so a refill per commit that opens
+one would cost the store call on a third of the long tail's steps, where one refill now
+serves hundreds. The launch checks the stock with one comparison and refills on the main
+thread only if it ever fails. Entries are
 written before a launch is given the larger tail, and a position is written again only
 after the launch that took it was committed.
 """
@@ -83,12 +86,16 @@ class SlotQueue:
         return slots
 
     def refill(self, stock: int | None = None) -> None:
-        """Put free slots in the queue until ``stock`` (default: the configured stock)
-        entries lie ahead of the committed head."""
-        want = (self._stock if stock is None else stock) - (self.tail - self.committed)
+        """Put free slots in the queue until ``stock`` entries lie ahead of the committed
+        head; by default, when fewer than the configured stock do, until the ring is full."""
+        ahead, size = self.tail - self.committed, len(self._queue)
+        if stock is None:
+            if ahead >= self._stock:
+                return
+            stock = size
+        want = stock - ahead
         if want <= 0:
             return
-        size = len(self._queue)
         if self.tail - self.committed + want > size:
             raise OverflowError(
                 f"the free-slot queue of {size} entries cannot hold {want} more "

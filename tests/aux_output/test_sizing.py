@@ -75,9 +75,9 @@ def test_derived_sizes_live_here_and_the_worker_uses_them():
     assert sizing.blocks_per_step == 768
     assert queue_stock(sizing) == 2 * 768
     assert queue_size(sizing) == 3 * 768
-    # The stock, three steps' blocks (two in flight, one being prepared) and an open block
-    # per request.
-    assert reserve_slots(sizing) == 2 * 768 + 3 * 768 + 256
+    # The queue's ring, three steps' blocks (two in flight, one being prepared) and an open
+    # block per request.
+    assert reserve_slots(sizing) == 3 * 768 + 3 * 768 + 256
     worker = TritonAuxOutputWorker(sizing, kernel_impl="reference")
     assert worker.store.reserve_slots == reserve_slots(sizing)
     assert len(worker.device_side.queue_np) == queue_size(sizing)

@@ -20,18 +20,24 @@ def _queue(size: int = 8, stock: int = 4, reserve: int = 16, teardown=lambda: Fa
     return SlotQueue(entries, store, stock, teardown), entries, store
 
 
-def test_refill_keeps_the_stock_ahead_of_the_committed_head_and_commits_take_in_order():
+def test_refill_fills_the_ring_once_less_than_the_stock_is_ahead_and_commits_take_in_order():
     queue, entries, store = _queue()
     queue.refill()
-    assert (queue.tail, queue.committed, queue.num_queued) == (4, 0, 4)
-    put = entries[:4].tolist()
-    assert len(set(put)) == 4 and store.num_unbound == 4
-    assert queue.reserve(bound=3) == 4  # room for the launch: no refill
+    assert (queue.tail, queue.committed, queue.num_queued) == (8, 0, 8)
+    put = entries.tolist()
+    assert len(set(put)) == 8 and store.num_unbound == 8
+    assert queue.reserve(bound=3) == 8  # room for the launch: no refill
     # The launch took 1 slot for its first request and 2 for its third, in batch order.
     assert queue.commit(3).tolist() == put[:3]
-    assert (queue.committed, queue.num_queued) == (3, 1)
-    queue.refill()
-    assert (queue.tail, queue.num_queued) == (7, 4)
+    assert (queue.committed, queue.num_queued) == (3, 5)
+    queue.refill()  # the stock of 4 is still ahead: no store call
+    assert (queue.tail, queue.num_queued, store.num_unbound) == (8, 5, 8)
+    queue.reserve(bound=2)
+    assert queue.commit(2).tolist() == put[3:5]
+    queue.refill()  # 3 ahead, fewer than the stock: the ring is filled again
+    # The five committed slots stay unbound until their blocks are bound.
+    assert (queue.tail, queue.num_queued, store.num_unbound) == (13, 8, 13)
+    assert entries[5:8].tolist() == put[5:8] and len(set(entries.tolist())) == 8
 
 
 def test_entries_wrap_around_the_ring():
@@ -46,12 +52,12 @@ def test_entries_wrap_around_the_ring():
         # The slots a commit reads are the ones written at those positions, modulo 5.
         assert slots.tolist() == [entries[(first + i) % 5] for i in range(3)]
     flat = [s for step in taken for s in step]
-    assert len(flat) == 12 and queue.committed == 12 and queue.tail == 13
+    assert len(flat) == 12 and queue.committed == 12 and queue.tail == 14
 
 
 def test_a_launch_that_could_take_more_than_the_queue_holds_refills_first():
     queue, _, _ = _queue(size=8, stock=2)
-    queue.refill()
+    queue.refill(stock=2)
     assert queue.reserve(bound=2) == 2  # exactly covered
     # A second launch in flight could take 3 more: the queue grows to cover both.
     assert queue.reserve(bound=3) == 5
@@ -71,5 +77,5 @@ def test_a_refill_past_the_queue_size_is_refused_before_any_change():
 def test_a_short_reserve_applies_recorded_teardown_first_then_grows():
     calls = []
     queue, _, store = _queue(size=32, stock=20, reserve=16, teardown=lambda: calls.append(1))
-    queue.refill()  # 20 slots from a reserve of 16: teardown freed none, so it grows
-    assert calls == [1] and store.reserve_slots >= 20 and queue.num_queued == 20
+    queue.refill()  # 32 slots from a reserve of 16: teardown freed none, so it grows
+    assert calls == [1] and store.reserve_slots >= 32 and queue.num_queued == 32
