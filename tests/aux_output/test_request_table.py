@@ -49,9 +49,7 @@ def test_extend_starts_new_rows_at_their_first_block_and_wraps():
     extend(table, [b], [2], [1], [22])
     assert table.unbound_slots(np.array([a])).tolist() == [12, 13, 14, 15]
     assert table.unbound_slots(np.array([b])).tolist() == [20, 21, 22]
-    # The slot of one block, as the emit reads it, wraps the same way.
-    assert [table.slot_of(a, block) for block in (7, 8, 9, 10)] == [12, 13, 14, 15]
-    assert table.slot_of(b, 2) == 22
+    # The arena row of a position, as the emit reads it, wraps the same way.
     positions = np.array([7 * 16 + 3, 10 * 16 + 15, 2 * 16])
     assert table.arena_rows(np.array([a, a, b]), positions, 16).tolist() == [
         12 * 16 + 3,
@@ -465,3 +463,58 @@ def test_advance_moves_only_the_named_rows_cursors_and_finish_marks_one_row():
     assert table.emit[[a, b, c]].tolist() == [0, 0, 7]
     table.mark_finished(b)
     assert table.finished[[a, b, c]].tolist() == [False, True, False]
+
+
+def _random_table(rng: np.random.Generator) -> RequestTable:
+    """A table with live rows in every state: launched or not, cursors, keys, finished,
+    partial first blocks, unbound blocks that wrap their ring, and free rows."""
+    table = RequestTable(ring_width=4, capacity=2)
+    ids = [f"r{i}" for i in range(12)]
+    rows = table.add_many(ids, rng.integers(0, 50, len(ids)).tolist())
+    table.remove(ids[:3])  # free rows in the middle
+    rows = rows[3:]
+    table.take_fresh(rows[rng.random(len(rows)) < 0.5])
+    table.advance(rows, *(rng.integers(0, 90, len(rows)) for _ in range(3)))
+    firsts = rng.integers(0, 9, len(rows))
+    counts = rng.integers(0, 5, len(rows))
+    extend(table, rows, firsts, counts, range(100, 100 + int(counts.sum())))
+    table.take_leading(rows, np.minimum(table.end[rows] - table.base[rows], 1))
+    table.add_keys(rows.tolist(), keys(*range(1, 2 * len(rows) + 1)), [2] * len(rows))
+    partial = rows[rng.random(len(rows)) < 0.3]
+    table.mark_partial_first(partial, rng.integers(1, 4, len(partial)))
+    for row in rows[rng.random(len(rows)) < 0.3].tolist():
+        table.mark_finished(row)
+    return table
+
+
+def _state(table: RequestTable) -> tuple:
+    columns = (*RequestTable._INT_FIELDS, "finished", "launched", "ring")
+    return (
+        *(getattr(table, name).tolist() for name in columns),
+        [list(k) for k in table._keys],
+        table._free_rows,
+        table.index,
+        table.num_unlaunched,
+        table.num_partial,
+    )
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_removing_a_few_rows_one_by_one_equals_the_vector_form(seed, monkeypatch):
+    """``remove``'s two forms (scalar reads and writes for a few rows, vector calls for
+    more) return the same slots and leave the same table, whichever rows go."""
+    import r3capture.aux_output.request_table as request_table
+
+    rng = np.random.default_rng(seed)
+    table = _random_table(rng)
+    live = list(table.index)
+    gone = list(rng.choice(live, size=int(rng.integers(1, len(live) + 1)), replace=False))
+    results = []
+    for most_per_row in (0, 10**6):
+        monkeypatch.setattr(request_table, "REMOVE_PER_ROW_MAX", most_per_row)
+        copy = deepcopy(table)
+        slots = copy.remove(gone)
+        assert slots.dtype == np.int64
+        results.append((slots.tolist(), _state(copy)))
+    assert results[0] == results[1]
+    assert all(row not in results[0][1][-3].values() for row in map(table.index.get, gone))
