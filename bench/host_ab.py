@@ -56,10 +56,10 @@ from bench.host_step_replay import CALLS, WARMUP_EVENTS, ensure_recording, repla
 PACKAGE = "r3capture"
 SUBPACKAGES = ("kernels", "store", "aux_output")  # pyproject.toml's package-dir
 # Per replay: each call's p50 over the steps, the main thread's p50 (the three main-thread
-# calls of a step together), both threads' whole-trace totals, and process_output's 90th and
-# 99th percentiles (the steps that complete blocks or finish requests: what a busy neighbour
-# turns into the p99).
-METRICS = (*CALLS, "main", "main_total", "output_total", "output_p90", "output_p99")
+# calls of a step together), both threads' whole-trace totals, process_output's 90th and
+# 99th percentiles (the steps that complete blocks or finish requests) and the main thread's
+# 99th (steps that add requests): what a busy neighbour turns into the p99.
+METRICS = (*CALLS, "main", "main_total", "output_total", "output_p90", "output_p99", "main_p99")
 DEFAULT_FAMILIES = ("decode-1", "decode-8", "decode-256", "multi-turn-short", "mixed", "prefill")
 
 
@@ -182,6 +182,7 @@ def replay_metrics(version: Version, recording: Any, metadata_types: Any) -> np.
             main.sum() / 1e3,
             cpu[3].sum() / 1e3,
             *np.percentile(cpu[3][cpu[3] > 0], (90, 99)),
+            np.percentile(main[main > 0], 99),
         ]
     )
 
