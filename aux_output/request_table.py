@@ -27,7 +27,6 @@ _FRESH_STATE = (
     ("cursor", NO_CURSOR),
     *((name, 0) for name in ("scheduled", "emit", "base", "end", "num_keys", "partial")),
     ("finished", False),
-    ("launched", False),
 )
 # Second form of ``remove``, for a few requests (a decode step finishes one or two): scalar
 # reads and writes in place of a dozen vector calls cut that step's process_output by a
@@ -48,8 +47,9 @@ class RequestTable:
     def __init__(self, ring_width: int, capacity: int = 64) -> None:
         self.ring_width = int(ring_width)
         self.index: dict[str, int] = {}
-        # Rows added and not yet named by a launch (``take_fresh``).
-        self.num_unlaunched = 0
+        # Rows added and not yet named by a launch (``take_fresh``): a set, as a launch
+        # names few of them, and those the numpy columns would cost a vector call each.
+        self.unlaunched: set[int] = set()
         # Rows whose first block is partial (``mark_partial_first``) and not yet dropped.
         self.num_partial = 0
         self._keys: list[list[bytes]] = []
@@ -67,9 +67,8 @@ class RequestTable:
         # published), else 0.
         self.cursor = self.scheduled = self.emit = np.empty(0, np.int64)
         self.base = self.end = self.num_keys = self.partial = np.empty(0, np.int64)
-        # finished: the scheduler finished it; launched: a launch has named it (until then
-        # its request index may hold an earlier request's device state).
-        self.finished = self.launched = np.empty(0, bool)
+        # finished: the scheduler finished it.
+        self.finished = np.empty(0, bool)
         self.ring = np.empty((0, self.ring_width), np.int32)
         self._grow(capacity)
 
@@ -87,10 +86,9 @@ class RequestTable:
             array[:old] = getattr(self, name)
             setattr(self, name, array)
         self.cursor[old:] = NO_CURSOR
-        for name in ("finished", "launched"):
-            flags = np.zeros(capacity, bool)
-            flags[:old] = getattr(self, name)
-            setattr(self, name, flags)
+        finished = np.zeros(capacity, bool)
+        finished[:old] = self.finished
+        self.finished = finished
         ring = np.full((capacity, self.ring_width), -1, np.int32)
         ring[:old] = self.ring
         self.ring = ring
@@ -118,7 +116,7 @@ class RequestTable:
         del free[len(free) - n :]
         self.index.update(zip(request_ids, taken))
         self.version += 1
-        self.num_unlaunched += n
+        self.unlaunched.update(taken)
         rows = np.array(taken, np.int64)
         self.emit[rows] = emit_starts
         return rows
@@ -157,20 +155,19 @@ class RequestTable:
         self.version += 1
         if len(rows) <= REMOVE_PER_ROW_MAX:
             slots = np.array(self._unbound_slots_each(rows), np.int64)
-            self.num_unlaunched -= sum(not self.launched.item(row) for row in rows)
             if self.num_partial:
                 self.num_partial -= sum(self.partial.item(row) > 0 for row in rows)
             for row in rows:
                 self._reset(row)
         else:
             taken = np.asarray(rows, np.int64)
-            self.num_unlaunched -= len(taken) - int(np.count_nonzero(self.launched[taken]))
             slots = self.unbound_slots(taken)
             if self.num_partial:
                 self.num_partial -= int(np.count_nonzero(self.partial[taken]))
             self._reset(taken)
         for row in rows:
             self._keys[row] = []
+        self.unlaunched.difference_update(rows)
         self._free_rows.extend(rows)
         return slots
 
@@ -225,19 +222,24 @@ class RequestTable:
         return join_key_objects(map(reversed, map(self._keys.__getitem__, rows)))
 
     # ---------------------------------------------------------------- slots
+    @property
+    def num_unlaunched(self) -> int:
+        """Rows (live or detached) that no launch named yet."""
+        return len(self.unlaunched)
+
     def take_fresh(self, rows: np.ndarray) -> np.ndarray | None:
         """For a launch of ``rows`` (int64, distinct): which of them no launch named before
         (bool ``[len(rows)]``; their request index may hold an earlier request's state on the
-        device), now marked launched; None, at the cost of one comparison, when every live
-        row was launched before."""
-        if not self.num_unlaunched:
+        device), now marked launched; None, at the cost of one test, when every live row was
+        launched before, or when none of ``rows`` is new."""
+        unlaunched = self.unlaunched
+        if not unlaunched:
             return None
-        fresh = ~self.launched[rows]
-        count = int(np.count_nonzero(fresh))
-        if not count:
+        listed = rows.tolist()
+        if unlaunched.isdisjoint(listed):
             return None
-        self.launched[rows] = True
-        self.num_unlaunched -= count
+        fresh = np.fromiter(map(unlaunched.__contains__, listed), bool, len(listed))
+        unlaunched.difference_update(listed)
         return fresh
 
     def extend(

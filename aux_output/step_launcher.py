@@ -162,7 +162,7 @@ class StepLauncher:
             self._attach()  # refilling grew the store: a new arena
         shape = AllocShape(num_reqs, num_rows, launch, tail)
         table = self._table
-        fresh = table.take_fresh(layout.rows) if table.num_unlaunched else None
+        fresh = table.take_fresh(layout.rows) if table.unlaunched else None
         if fresh is not None:
             side.fresh_flags()[:num_reqs] = fresh
         launched = side.launch(

@@ -200,14 +200,14 @@ def test_extend_matches_a_block_by_block_model(seed, per_row):
 def test_take_fresh_names_each_added_row_once():
     table = RequestTable(ring_width=2)
     a, b = table.add("a", 0), table.add("b", 0)
-    assert table.num_unlaunched == 2 and not table.launched[[a, b]].any()
+    assert table.unlaunched == {a, b}
     assert table.take_fresh(np.array([a])).tolist() == [True]
-    assert table.num_unlaunched == 1 and table.launched[a] and not table.launched[b]
+    assert table.unlaunched == {b}
     # a again, alone: nothing fresh, though b still is.
     assert table.take_fresh(np.array([a])) is None
     assert table.num_unlaunched == 1
     assert table.take_fresh(np.array([b, a])).tolist() == [True, False]
-    assert table.num_unlaunched == 0 and table.launched[[a, b]].all()
+    assert table.num_unlaunched == 0 and not table.unlaunched
     assert table.take_fresh(np.array([a, b])) is None
     assert table.take_fresh(np.array([], np.int64)) is None
     # New rows after launches: only they are fresh, in the launch's order.
@@ -234,13 +234,13 @@ def test_removing_rows_keeps_the_unlaunched_count_and_reused_rows_are_fresh():
     assert table.num_unlaunched == 0
     # The freed rows come back fresh: a launch names them as fresh again.
     e, f = table.add_many(["e", "f"], [0, 0]).tolist()
-    assert {e, f} <= {a, b, d} and not table.launched[[e, f]].any()
+    assert {e, f} <= {a, b, d} and table.unlaunched == {e, f}
     assert table.num_unlaunched == 2
     assert table.take_fresh(np.array([c, e, f])).tolist() == [False, True, True]
-    # Growth keeps the launched flags of rows already there.
+    # Growth keeps what was launched.
     names = [f"g{i}" for i in range(2 * table.capacity)]
     rows = table.add_many(names, [0] * len(names))
-    assert table.launched[[c, e, f]].all() and not table.launched[rows].any()
+    assert table.unlaunched == set(rows.tolist())
     assert table.num_unlaunched == len(names)
     table.clear()
     assert table.num_unlaunched == 0 and len(table) == 0
@@ -255,11 +255,12 @@ def test_num_unlaunched_counts_the_live_rows_no_launch_named(seed):
     table = RequestTable(ring_width=2, capacity=1)
     names = iter(range(10**6))
     detached: dict[str, int] = {}
+    launched: set[int] = set()  # the model: rows a launch named since they were added
     for _ in range(20):
         action = rng.random()
         if action < 0.35 or not len(table):
             new = [f"r{next(names)}" for _ in range(int(rng.integers(1, 4)))]
-            table.add_many(new, [0] * len(new))
+            launched.difference_update(table.add_many(new, [0] * len(new)).tolist())
         elif action < 0.5:
             request_id = list(table.index)[int(rng.integers(len(table)))]
             table.remove([request_id])
@@ -273,15 +274,15 @@ def test_num_unlaunched_counts_the_live_rows_no_launch_named(seed):
         elif len(table):
             live = table.live_rows()
             rows = rng.choice(live, size=int(rng.integers(1, len(live) + 1)), replace=False)
-            before = table.launched[rows].copy()
+            before = [row in launched for row in rows.tolist()]
             fresh = table.take_fresh(rows)
-            if before.all():
+            if all(before):
                 assert fresh is None
             else:
-                assert fresh.tolist() == (~before).tolist()
-            assert table.launched[rows].all()
-        held = np.array([*table.index.values(), *detached.values()], np.int64)
-        assert table.num_unlaunched == int(np.count_nonzero(~table.launched[held]))
+                assert fresh.dtype == bool and fresh.tolist() == [not b for b in before]
+            launched.update(rows.tolist())
+        held = [*table.index.values(), *detached.values()]
+        assert table.unlaunched == {row for row in held if row not in launched}
 
 
 def test_keys_grow_and_release_tail_first_in_row_order():
@@ -313,7 +314,7 @@ def test_removed_rows_are_reused_fresh_and_version_bumps():
     assert again == a
     fresh = (table.cursor, table.scheduled, table.emit, table.base, table.end, table.num_keys)
     assert [int(column[again]) for column in fresh] == [NO_CURSOR, 0, 2, 0, 0, 0]
-    assert not table.finished[again] and not table.launched[again]
+    assert not table.finished[again] and again in table.unlaunched
     assert len(table.release_order([again])) == 0
     with pytest.raises(KeyError):
         table.rows(["a"])
@@ -488,13 +489,13 @@ def _random_table(rng: np.random.Generator) -> RequestTable:
 
 
 def _state(table: RequestTable) -> tuple:
-    columns = (*RequestTable._INT_FIELDS, "finished", "launched", "ring")
+    columns = (*RequestTable._INT_FIELDS, "finished", "ring")
     return (
         *(getattr(table, name).tolist() for name in columns),
         [list(k) for k in table._keys],
         table._free_rows,
         table.index,
-        table.num_unlaunched,
+        table.unlaunched,
         table.num_partial,
     )
 
