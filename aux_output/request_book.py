@@ -204,13 +204,11 @@ class RequestBook:
         their emit start."""
         table = self.table
         ids = list(requests)
-        try:
-            return table.rows(ids, cache="scheduled")
-        except KeyError:
-            index = table.index
-            new = [request_id for request_id in ids if request_id not in index]
+        index = table.index
+        new = [request_id for request_id in ids if request_id not in index]
+        if new:
             table.add_many(new, [requests[request_id] for request_id in new])
-            return table.rows(ids, cache="scheduled")
+        return table.rows(ids, cache="scheduled")
 
     # ------------------------------------------------------------------ prepare_output
     def layout_of(self, input_batch: Any) -> StepLayout:
