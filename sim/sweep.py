@@ -49,6 +49,7 @@ _KNOB_HOMES = {
     "PER_ROW_MAX": "r3capture.aux_output.publisher",
     "HASHES_PER_OBJECT_MAX": "r3capture.store.keys",
     "EMIT_LIST_MAX": "r3capture.aux_output.call_checks",
+    "REMOVE_PER_ROW_MAX": "r3capture.aux_output.request_table",
 }
 
 
@@ -114,6 +115,8 @@ def draw_case(seed: int) -> SweepCase:
     knobs["HASHES_PER_OBJECT_MAX"] = r.choice([0, 1, 32, 1000])
     # And after that: the emit starts' Python-int form (0: always the array).
     knobs["EMIT_LIST_MAX"] = r.choice([0, 1, 32, 1000])
+    # And after that: the request table's per-row removal (0: always the vector form).
+    knobs["REMOVE_PER_ROW_MAX"] = r.choice([0, 1, 8, 1000])
     return SweepCase(
         seed=seed,
         shape=shape,
