@@ -47,8 +47,8 @@ class RequestTable:
     def __init__(self, ring_width: int, capacity: int = 64) -> None:
         self.ring_width = int(ring_width)
         self.index: dict[str, int] = {}
-        # Rows added and not yet named by a launch (``take_fresh``): a set, as a launch
-        # names few of them, and those the numpy columns would cost a vector call each.
+        # Rows added and not yet named by a launch (``take_fresh``): a set, not a bool
+        # column, because a launch names few new rows and a column costs vector calls.
         self.unlaunched: set[int] = set()
         # Rows whose first block is partial (``mark_partial_first``) and not yet dropped.
         self.num_partial = 0
