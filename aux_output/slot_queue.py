@@ -9,11 +9,10 @@ from their front.
 The output thread refills the queue after a commit that leaves fewer than ``stock`` entries
 ahead of the committed head (``stock`` covers every launch that can be in flight), and then
 fills the whole ring: a decode step opens a block or two, so a refill per commit that opens
-one would cost the store call on a third of the long tail's steps, where one refill now
-serves hundreds. The launch checks the stock with one comparison and refills on the main
-thread only if it ever fails. Entries are
-written before a launch is given the larger tail, and a position is written again only
-after the launch that took it was committed.
+one would cost a store call on a third of the long tail's steps, where one refill now serves
+hundreds. The launch checks the stock with one comparison and refills on the main thread
+only if it ever fails. Entries are written before a launch is given the larger tail, and a
+position is written again only after the launch that took it was committed.
 """
 
 from __future__ import annotations
