@@ -24,7 +24,11 @@ stand-in launch (or, before ``kernels/alloc_reference.py`` existed, when the sta
 kernel).
 
     python -m bench.run host_ab --base REV [--families A,B] [--model M] [--depth D]
-        [--rounds N] [--out-dir DIR]
+        [--rounds N] [--out-dir DIR] [--shadow]
+
+``--shadow`` replays as ``host_step`` does (vLLM's connector makes every call first, the
+kernel's emulation deferred), so each call meets the cold caches that a cut in its cold cost
+shows in; without it each call follows the same version's previous one.
 
 Writes ``host_ab.json`` (+ ``.png``): per family and call, each version's median over the
 rounds and the median ratio working tree / base (< 1: the working tree is cheaper).
@@ -124,13 +128,13 @@ class Version:
     """One version of the package: its modules, its kernel stand-in and its recordings'
     sizing (``WorkerSizing`` is checked by type, so each version gets its own)."""
 
-    def __init__(self, label: str, modules: dict[str, ModuleType]) -> None:
+    def __init__(self, label: str, modules: dict[str, ModuleType], *, defer: bool = False) -> None:
         from bench.stand_ins import KernelStandIn
 
         self.label = label
         self.modules = modules
         with self.installed():
-            self.stand_in = KernelStandIn().__enter__()
+            self.stand_in = KernelStandIn(defer=defer).__enter__()
 
     @contextlib.contextmanager
     def installed(self) -> Iterator[None]:
@@ -154,12 +158,19 @@ class Version:
             self.stand_in.__exit__(None, None, None)
 
 
-def replay_metrics(version: Version, recording: Any, metadata_types: Any) -> np.ndarray:
-    """One replay of ``recording`` through ``version``: float ``[len(METRICS)]`` in us
-    (thread CPU). Raises when the outputs differ from the recording's."""
+def replay_metrics(
+    version: Version, recording: Any, metadata_types: Any, shadow: bool = False
+) -> np.ndarray:
+    """One replay of ``recording`` through ``version`` (``shadow``: host_step's, with vLLM's
+    connector making every call first): float ``[len(METRICS)]`` in us (thread CPU). Raises
+    when the outputs differ from the recording's."""
     with version.installed():
         times = replay(
-            recording, "r3capture", exclusion=version.stand_in, metadata_types=metadata_types
+            recording,
+            "r3capture",
+            exclusion=version.stand_in,
+            metadata_types=metadata_types,
+            shadow=shadow,
         )
     if times.error is not None or times.digests != recording.digests:
         raise RuntimeError(
@@ -188,7 +199,10 @@ def replay_metrics(version: Version, recording: Any, metadata_types: Any) -> np.
 
 
 def compare(
-    versions: tuple[Version, Version], recordings: dict[str, Any], rounds: int
+    versions: tuple[Version, Version],
+    recordings: dict[str, Any],
+    rounds: int,
+    shadow: bool = False,
 ) -> dict[str, np.ndarray]:
     """Per family, float ``[2, rounds, len(METRICS)]``: every round replays each recording
     once per version, the order flipping every round, after one warm-up replay each."""
@@ -205,6 +219,7 @@ def compare(
                     exclusion=version.stand_in,
                     metadata_types=metadata_types,
                     max_events=WARMUP_EVENTS,
+                    shadow=shadow,
                 )
     out = {family: np.zeros((2, rounds, len(METRICS))) for family in recordings}
     for i in range(rounds):
@@ -214,7 +229,7 @@ def compare(
                 gc.collect()
                 version = versions[v]
                 out[family][v, i] = replay_metrics(
-                    version, own[version.label][family], metadata_types
+                    version, own[version.label][family], metadata_types, shadow
                 )
     return out
 
@@ -277,6 +292,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=10)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out-dir", type=Path, default=RESULTS_DIR)
+    parser.add_argument(
+        "--shadow",
+        action="store_true",
+        help="as host_step: vLLM's connector makes every call first, the kernel emulation "
+        "deferred (cold caches; what cuts a call's cold cost shows)",
+    )
     args = parser.parse_args(argv)
     import torch
 
@@ -297,10 +318,12 @@ def main(argv: list[str] | None = None) -> int:
     }
     t0 = time.perf_counter()
     with tempfile.TemporaryDirectory() as tmp:
-        base = Version(labels[0], load_package(export_revision(args.base, Path(tmp))))
-        tree = Version(labels[1], installed_package())
+        base = Version(
+            labels[0], load_package(export_revision(args.base, Path(tmp))), defer=args.shadow
+        )
+        tree = Version(labels[1], installed_package(), defer=args.shadow)
         try:
-            times = compare((base, tree), recordings, args.rounds)
+            times = compare((base, tree), recordings, args.rounds, args.shadow)
         finally:
             base.close()
             tree.close()
@@ -316,7 +339,12 @@ def main(argv: list[str] | None = None) -> int:
         "host_ab",
         rows,
         figure=figure(rows, labels),
-        extra={"base": base_sha, "rounds": args.rounds, "seconds": round(time.perf_counter() - t0)},
+        extra={
+            "base": base_sha,
+            "rounds": args.rounds,
+            "shadow": args.shadow,
+            "seconds": round(time.perf_counter() - t0),
+        },
         out_dir=args.out_dir,
     )
     return 0

@@ -116,6 +116,38 @@ def test_a_version_whose_kernel_the_stand_in_misses_stops_the_run(copied_tree):
     assert _package_modules() == installed
 
 
+def test_a_shadowed_run_replays_behind_vllm_with_the_kernel_deferred(copied_tree, monkeypatch):
+    """``--shadow`` replays as host_step does: vLLM's connector is built beside each timed
+    replay, and every launch's emulation is deferred and settled (none left over), with the
+    outputs reproduced by both versions."""
+    from bench import host_step_replay
+
+    recording = record_trace(make_trace("spec_decode", seed=0))
+    installed = _package_modules()
+    copy = Version("copy", load_package(copied_tree), defer=True)
+    tree = Version("tree", installed, defer=True)
+    built = []
+    make_connector = host_step_replay.make_connector
+
+    def counted(name, sizing):
+        built.append(name)
+        return make_connector(name, sizing)
+
+    monkeypatch.setattr(host_step_replay, "make_connector", counted)
+    try:
+        times = compare((copy, tree), {"t": recording}, rounds=2, shadow=True)
+        assert (times["t"] > 0).all()
+        # Warm-up plus two rounds per version, each timed replay with its shadow.
+        assert built.count("vllm-0.33.0") == built.count("r3capture") == 6
+        for version in (copy, tree):
+            assert version.stand_in.defer and version.stand_in.launches > 0
+            assert not version.stand_in._deferred
+    finally:
+        copy.close()
+        tree.close()
+    assert _package_modules() == installed
+
+
 def test_the_figure_and_rows_name_both_versions():
     times = {
         "decode-1": np.stack([np.full((3, len(METRICS)), 10.0), np.full((3, len(METRICS)), 8.0)])
