@@ -27,8 +27,8 @@ from r3capture.aux_output.steps_in_flight import StepsInFlight
 from r3capture.kernels import KernelArgumentError
 from r3capture.kernels._alloc_checks import (
     LAUNCH_LIMIT,
-    AllocShape,
     check_alloc_step_args,
+    new_alloc_shape,
     step_tensors_pass,
 )
 from r3capture.store import BlockStore
@@ -133,7 +133,7 @@ class StepLauncher:
         # bounds cover (_attach): the tensors are left to check. A launch failing that is
         # judged in full, which names the fault.
         if launch >= LAUNCH_LIMIT or not step_tensors_pass(
-            self._static.device,
+            self._static.device_index,
             query_start_loc,
             positions,
             request_index,
@@ -160,7 +160,7 @@ class StepLauncher:
         tail = queue.reserve(num_rows // self._block_size + num_reqs)
         if self._detached:
             self._attach()  # refilling grew the store: a new arena
-        shape = AllocShape(num_reqs, num_rows, launch, tail)
+        shape = new_alloc_shape((num_reqs, num_rows, launch, tail))
         table = self._table
         fresh = table.take_fresh(layout.rows) if table.unlaunched else None
         if fresh is not None:

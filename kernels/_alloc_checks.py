@@ -8,6 +8,7 @@ values on the device are checked by the kernel and reported per request), for th
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import partial
 from typing import NamedTuple
 
 import torch
@@ -46,6 +47,11 @@ class AllocShape(NamedTuple):
     queue_tail: int
 
 
+# NamedTuple's generated ``__new__`` is a Python frame; a launch builds its shape directly
+# from a tuple of the four fields.
+new_alloc_shape = partial(tuple.__new__, AllocShape)
+
+
 @dataclass(frozen=True)
 class AllocStatic:
     """The validated step-independent arguments of ``gather_alloc``."""
@@ -62,6 +68,19 @@ class AllocStatic:
     queue_size: int  # Q
     max_requests: int  # step_info rows
     device: torch.device
+    # ``device``'s CUDA index, CPU_INDEX for the CPU, None for any other device (whose
+    # launches ``step_tensors_pass`` never passes): what its device test compares.
+    device_index: int | None
+
+
+CPU_INDEX = -1
+
+
+def _device_index(device: torch.device) -> int | None:
+    """``AllocStatic.device_index`` of ``device`` (a tensor's: a CUDA one has its index)."""
+    if device.type == "cuda":
+        return device.index
+    return CPU_INDEX if device.type == "cpu" else None
 
 
 def _tensor(name: str, t: object, ndim: int, dtypes: tuple[torch.dtype, ...]) -> torch.Tensor:
@@ -156,6 +175,7 @@ def check_alloc_static_args(
         queue_size=queue.shape[0],
         max_requests=step_info.shape[0],
         device=device,
+        device_index=_device_index(device),
     )
 
 
@@ -191,14 +211,14 @@ def check_alloc_step_args(
         and 1 <= launch < LAUNCH_LIMIT
         and queue_tail >= 0
         and f is None
-        and step_tensors_pass(static.device, q, p, i, r, num_reqs, num_rows)
+        and step_tensors_pass(static.device_index, q, p, i, r, num_reqs, num_rows)
     ):
         return AllocShape(num_reqs, num_rows, launch, queue_tail)
     return _check_one_by_one(static, q, p, i, r, f, num_reqs, num_rows, launch, queue_tail)
 
 
 def step_tensors_pass(
-    device: torch.device,
+    device_index: int | None,
     query_start_loc: object,
     positions: object,
     request_index: object,
@@ -208,17 +228,20 @@ def step_tensors_pass(
 ) -> bool:
     """Whether a launch's device tensors pass every check ``check_alloc_step_args`` makes of
     them, for counts ``num_reqs``/``num_rows`` (ints) already within the launch's static
-    bounds: 1-D ``int32``/``int64`` tensors of unit stride on ``device``,
-    ``query_start_loc`` ``[> num_reqs]``, ``positions`` ``[>= num_rows]``, ``request_index``
-    and ``num_rejected`` (None: not passed) ``[>= num_reqs]``.
+    bounds: 1-D ``int32``/``int64`` tensors of unit stride on the device of
+    ``device_index`` (``AllocStatic.device_index``), ``query_start_loc`` ``[> num_reqs]``,
+    ``positions`` ``[>= num_rows]``, ``request_index`` and ``num_rejected`` (None: not
+    passed) ``[>= num_reqs]``.
 
-    One expression, for a caller that launches every step and whose counts are its own
-    (the worker); a unit stride stands for 1-D and dense in one read, and ``numel`` for the
-    length. False names nothing, and may refuse what is valid in another form (a tensor
-    subclass, one element of another stride): ``check_alloc_step_args`` then judges the
-    launch and names a fault."""
+    Two expressions, for a caller that launches every step and whose counts are its own
+    (the worker); a unit stride stands for 1-D and dense in one read, ``numel`` for the
+    length, and ``is_cpu``/``is_cuda`` with ``get_device`` for the device: reading
+    ``Tensor.device`` builds a device object, the costliest read of a launch on a cold cache.
+    False names nothing, and may refuse what is valid in another form (a tensor subclass,
+    one element of another stride): ``check_alloc_step_args`` then judges the launch and
+    names a fault."""
     q, p, i, r = query_start_loc, positions, request_index, num_rejected
-    return (
+    if not (
         type(q) is _TENSOR
         and type(p) is _TENSOR
         and type(i) is _TENSOR
@@ -231,9 +254,6 @@ def step_tensors_pass(
         and num_reqs < q.numel()
         and num_reqs <= i.numel()
         and num_rows <= p.numel()
-        and q.device == device
-        and p.device == device
-        and i.device == device
         and (
             r is None
             or (
@@ -241,9 +261,21 @@ def step_tensors_pass(
                 and r.stride() == _DENSE_1D
                 and r.dtype in _INDEX_DTYPE_SET
                 and num_reqs <= r.numel()
-                and r.device == device
             )
         )
+    ):
+        return False
+    if device_index == CPU_INDEX:
+        return q.is_cpu and p.is_cpu and i.is_cpu and (r is None or r.is_cpu)
+    return (
+        device_index is not None
+        and q.is_cuda
+        and p.is_cuda
+        and i.is_cuda
+        and q.get_device() == device_index
+        and p.get_device() == device_index
+        and i.get_device() == device_index
+        and (r is None or (r.is_cuda and r.get_device() == device_index))
     )
 
 

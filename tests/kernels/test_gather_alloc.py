@@ -401,6 +401,27 @@ _INDEX_FORMS = {
 _STEP_TENSORS = {"query_start_loc": 3, "positions": 4, "request_index": 2, "num_rejected": 2}
 
 
+def test_the_quick_device_test_passes_only_the_launch_device():
+    """``step_tensors_pass`` reads no ``Tensor.device``: its test by ``device_index`` passes
+    CPU tensors for a CPU launch only, never for a CUDA device's index or another device's
+    (None), and refuses a meta tensor or a rejected-count tensor elsewhere for a CPU
+    launch. (The CUDA side runs in test_gather_alloc_gpu.py.)"""
+    from r3capture.kernels._alloc_checks import CPU_INDEX, _device_index, step_tensors_pass
+
+    step = [torch.arange(n) for n in _STEP_TENSORS.values()]
+    assert _device_index(torch.device("cpu")) == CPU_INDEX
+    assert _device_index(torch.device("cuda", 1)) == 1
+    assert _device_index(torch.device("meta")) is None
+    assert step_tensors_pass(CPU_INDEX, *step, num_reqs=2, num_rows=4)
+    for index in (0, 1, None):
+        assert not step_tensors_pass(index, *step, num_reqs=2, num_rows=4)
+    for at in range(4):
+        moved = list(step)
+        moved[at] = moved[at].to("meta")
+        assert not step_tensors_pass(CPU_INDEX, *moved, num_reqs=2, num_rows=4)
+    assert step_tensors_pass(CPU_INDEX, *step[:3], None, num_reqs=2, num_rows=4)
+
+
 @pytest.mark.parametrize("form", list(_INDEX_FORMS))
 @pytest.mark.parametrize("argument", list(_STEP_TENSORS))
 def test_the_one_expression_accepts_only_what_the_full_check_accepts(argument, form):
@@ -420,7 +441,7 @@ def test_the_one_expression_accepts_only_what_the_full_check_accepts(argument, f
     )  # fmt: skip
     step = {name: torch.arange(n) for name, n in _STEP_TENSORS.items()}
     step[argument] = _INDEX_FORMS[form](_STEP_TENSORS[argument])
-    fast = step_tensors_pass(static.device, *step.values(), num_reqs=2, num_rows=4)
+    fast = step_tensors_pass(static.device_index, *step.values(), num_reqs=2, num_rows=4)
     try:
         check_alloc_step_args(
             static, **step, fresh=None, num_reqs=2, num_rows=4, launch=1, queue_tail=0

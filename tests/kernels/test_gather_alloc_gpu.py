@@ -74,6 +74,23 @@ def test_kernel_addresses_of_device_and_pinned_tensors() -> None:
     assert kernel_address(pageable) is pageable  # unmapped: Triton's launcher refuses it
 
 
+def test_the_quick_device_test_passes_only_tensors_on_the_launch_gpu() -> None:
+    from r3capture.kernels._alloc_checks import CPU_INDEX, _device_index, step_tensors_pass
+
+    index = torch.cuda.current_device()
+    assert _device_index(torch.zeros(1, device="cuda").device) == index
+    step = [torch.arange(n, device="cuda") for n in (3, 4, 2, 2)]
+    assert step_tensors_pass(index, *step, num_reqs=2, num_rows=4)
+    assert not step_tensors_pass(CPU_INDEX, *step, num_reqs=2, num_rows=4)
+    assert not step_tensors_pass(index + 1, *step, num_reqs=2, num_rows=4)
+    for at in range(4):
+        moved = list(step)
+        moved[at] = moved[at].cpu()
+        assert not step_tensors_pass(index, *moved, num_reqs=2, num_rows=4)
+        moved[at] = moved[at].pin_memory()
+        assert not step_tensors_pass(index, *moved, num_reqs=2, num_rows=4)
+
+
 @pytest.mark.parametrize("place", ["device", "pinned"])
 @pytest.mark.parametrize("case", ALL_CASES, ids=lambda c: c.id)
 def test_matches_expected_on_gpu(case: Case, place: str) -> None:
