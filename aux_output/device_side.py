@@ -236,7 +236,9 @@ class DeviceSide:
         self._next = (index + 1) % self._depth
         num_reqs = 0 if shape is None else shape.num_reqs
         if num_reqs:
-            flags = self._fresh[index][:num_reqs] if fresh else None
+            # Whole, not cut to the step: the kernel reads the first num_reqs flags, and a
+            # slice would cost a tensor view on the steps that add requests.
+            flags = self._fresh[index] if fresh else None
             self._launches[index].launch_checked(
                 shape, query_start_loc, positions, request_index, num_rejected, flags
             )

@@ -133,13 +133,13 @@ class RequestBook:
             self.generation = metadata.generation
         requests = metadata.requests
         if requests:
-            try:
-                rows = table.rows(list(requests), cache="scheduled")
-            except KeyError:  # new requests
-                rows = self._rows_adding(requests)
+            ids = list(requests)
+            rows = table.cached_rows(ids, "scheduled")
+            if rows is None:  # other requests than last step's: maybe new ones
+                rows = self._rows_adding(requests, ids)
             steps = self._steps
             if steps.has_deferred and steps.detach_resumed(requests, rows):
-                rows = self._rows_adding(requests)  # new rows for resumed requests
+                rows = self._rows_adding(requests, ids)  # new rows for resumed requests
             # Only settled requests are checked: in-flight steps lag the scheduler's view.
             # The scheduler's requests are those of the last launch (the same rows, so the
             # same cached array) while it is in flight: every one of them is.
@@ -199,11 +199,10 @@ class RequestBook:
         teardown waits for its steps in flight has, one whose teardown is recorded has not)."""
         return request_id in self.table.index and request_id not in self._key_work.tearing_down
 
-    def _rows_adding(self, requests: dict[str, int]) -> np.ndarray:
-        """Table rows (int64 ``[R]``) of the scheduled requests; new ones are added with
-        their emit start."""
+    def _rows_adding(self, requests: dict[str, int], ids: list[str]) -> np.ndarray:
+        """Table rows (int64 ``[R]``) of the scheduled requests (``ids``: their ids, in
+        order); new ones are added with their emit start."""
         table = self.table
-        ids = list(requests)
         index = table.index
         new = [request_id for request_id in ids if request_id not in index]
         if new:

@@ -127,15 +127,22 @@ class RequestTable:
         or removed since, returns the same array (steady decode sends the same ids every
         step); ``reuse`` names another cache that may answer first (a batch's ids are its
         step's scheduled ids, in the scheduler's order, whenever the batch changes)."""
-        version = self.version
         for name in (reuse, cache):
-            cached = self._rows_cache.get(name) if name else None
-            if cached is not None and cached[0] == version and cached[1] == request_ids:
-                return cached[2]
+            rows = self.cached_rows(request_ids, name) if name else None
+            if rows is not None:
+                return rows
         rows = np.fromiter(map(self.index.__getitem__, request_ids), np.int64, len(request_ids))
         if cache:
             self._rows_cache[cache] = (self.version, request_ids, rows)
         return rows
+
+    def cached_rows(self, request_ids: list[str], cache: str) -> np.ndarray | None:
+        """What ``rows(request_ids, cache=cache)`` would return from its cache, or None (a
+        lookup would be needed, and may raise for an id without state)."""
+        cached = self._rows_cache.get(cache)
+        if cached is not None and cached[0] == self.version and cached[1] == request_ids:
+            return cached[2]
+        return None
 
     def detach(self, request_id: str) -> None:
         """Unname a request's row, which keeps its state until ``remove`` by row."""
@@ -227,20 +234,28 @@ class RequestTable:
         """Rows (live or detached) that no launch named yet."""
         return len(self.unlaunched)
 
-    def take_fresh(self, rows: np.ndarray) -> np.ndarray | None:
-        """For a launch of ``rows`` (int64, distinct): which of them no launch named before
-        (bool ``[len(rows)]``; their request index may hold an earlier request's state on the
-        device), now marked launched; None, at the cost of one test, when every live row was
-        launched before, or when none of ``rows`` is new."""
+    def take_fresh(self, rows: np.ndarray, flags: np.ndarray) -> bool:
+        """For a launch of ``rows`` (int64, distinct): whether any of them no launch named
+        before (its request index may hold an earlier request's state on the device). If so,
+        ``flags[:len(rows)]`` (uint8) says which (1) and they are marked launched; if not
+        (at the cost of one test when every live row was launched before), ``flags`` is
+        left as it is."""
         unlaunched = self.unlaunched
         if not unlaunched:
-            return None
+            return False
         listed = rows.tolist()
-        if unlaunched.isdisjoint(listed):
-            return None
-        fresh = np.fromiter(map(unlaunched.__contains__, listed), bool, len(listed))
-        unlaunched.difference_update(listed)
-        return fresh
+        new = unlaunched.intersection(listed)
+        if not new:
+            return False
+        # Set tests and scalar writes: cheaper than building a bool array and casting it
+        # into the flags, on the steps that add requests.
+        step_flags = flags[: len(listed)]
+        step_flags.fill(0)
+        for position, row in enumerate(listed):
+            if row in new:
+                step_flags[position] = 1
+        unlaunched.difference_update(new)
+        return True
 
     def extend(
         self, rows: np.ndarray, firsts: np.ndarray, counts: np.ndarray, slots: np.ndarray

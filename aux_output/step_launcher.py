@@ -162,16 +162,14 @@ class StepLauncher:
             self._attach()  # refilling grew the store: a new arena
         shape = new_alloc_shape((num_reqs, num_rows, launch, tail))
         table = self._table
-        fresh = table.take_fresh(layout.rows) if table.unlaunched else None
-        if fresh is not None:
-            side.fresh_flags()[:num_reqs] = fresh
+        fresh = bool(table.unlaunched) and table.take_fresh(layout.rows, side.fresh_flags())
         launched = side.launch(
             shape,
             query_start_loc,
             positions,
             request_index,
             num_rejected,
-            fresh=fresh is not None,
+            fresh=fresh,
             num_rows=num_rows,
         )
         self._launches = launch

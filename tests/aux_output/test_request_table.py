@@ -197,37 +197,49 @@ def test_extend_matches_a_block_by_block_model(seed, per_row):
     assert sorted(model) == sorted(table.live_rows().tolist())
 
 
+def fresh_of(table: RequestTable, rows) -> list[bool] | None:
+    """``take_fresh`` of ``rows``: the flags it wrote (as bools), or None when it said no row
+    is fresh; it writes no flag past the launch's rows, nor any when it says none."""
+    rows = np.asarray(rows, np.int64)
+    flags = np.full(len(rows) + 2, 7, np.uint8)
+    if not table.take_fresh(rows, flags):
+        assert (flags == 7).all()
+        return None
+    assert (flags[len(rows) :] == 7).all() and set(flags[: len(rows)].tolist()) <= {0, 1}
+    return flags[: len(rows)].astype(bool).tolist()
+
+
 def test_take_fresh_names_each_added_row_once():
     table = RequestTable(ring_width=2)
     a, b = table.add("a", 0), table.add("b", 0)
     assert table.unlaunched == {a, b}
-    assert table.take_fresh(np.array([a])).tolist() == [True]
+    assert fresh_of(table, np.array([a])) == [True]
     assert table.unlaunched == {b}
     # a again, alone: nothing fresh, though b still is.
-    assert table.take_fresh(np.array([a])) is None
+    assert fresh_of(table, np.array([a])) is None
     assert table.num_unlaunched == 1
-    assert table.take_fresh(np.array([b, a])).tolist() == [True, False]
+    assert fresh_of(table, np.array([b, a])) == [True, False]
     assert table.num_unlaunched == 0 and not table.unlaunched
-    assert table.take_fresh(np.array([a, b])) is None
-    assert table.take_fresh(np.array([], np.int64)) is None
+    assert fresh_of(table, np.array([a, b])) is None
+    assert fresh_of(table, np.array([], np.int64)) is None
     # New rows after launches: only they are fresh, in the launch's order.
     c, d = table.add_many(["c", "d"], [0, 0]).tolist()
     assert table.num_unlaunched == 2
-    assert table.take_fresh(np.array([d, a, c, b])).tolist() == [True, False, True, False]
+    assert fresh_of(table, np.array([d, a, c, b])) == [True, False, True, False]
     assert table.num_unlaunched == 0
 
 
 def test_removing_rows_keeps_the_unlaunched_count_and_reused_rows_are_fresh():
     table = RequestTable(ring_width=2, capacity=2)
     a, b, c = (table.add(name, 0) for name in "abc")  # grows past its capacity
-    table.take_fresh(np.array([a]))
+    fresh_of(table, np.array([a]))
     assert table.num_unlaunched == 2
     table.remove(["a"])  # launched: the count stays
     assert table.num_unlaunched == 2
     table.remove(["b"])  # not launched: one fewer
     assert table.num_unlaunched == 1
     # A detached row removed by row, unlaunched, then a launched one.
-    table.take_fresh(np.array([c]))
+    fresh_of(table, np.array([c]))
     d = table.add("d", 0)
     table.detach("d")
     table.remove(["d"], rows=[d])
@@ -236,7 +248,7 @@ def test_removing_rows_keeps_the_unlaunched_count_and_reused_rows_are_fresh():
     e, f = table.add_many(["e", "f"], [0, 0]).tolist()
     assert {e, f} <= {a, b, d} and table.unlaunched == {e, f}
     assert table.num_unlaunched == 2
-    assert table.take_fresh(np.array([c, e, f])).tolist() == [False, True, True]
+    assert fresh_of(table, np.array([c, e, f])) == [False, True, True]
     # Growth keeps what was launched.
     names = [f"g{i}" for i in range(2 * table.capacity)]
     rows = table.add_many(names, [0] * len(names))
@@ -275,11 +287,11 @@ def test_num_unlaunched_counts_the_live_rows_no_launch_named(seed):
             live = table.live_rows()
             rows = rng.choice(live, size=int(rng.integers(1, len(live) + 1)), replace=False)
             before = [row in launched for row in rows.tolist()]
-            fresh = table.take_fresh(rows)
+            fresh = fresh_of(table, rows)
             if all(before):
                 assert fresh is None
             else:
-                assert fresh.dtype == bool and fresh.tolist() == [not b for b in before]
+                assert fresh == [not b for b in before]
             launched.update(rows.tolist())
         held = [*table.index.values(), *detached.values()]
         assert table.unlaunched == {row for row in held if row not in launched}
@@ -305,7 +317,7 @@ def test_removed_rows_are_reused_fresh_and_version_bumps():
     a = table.add("a", 5)
     table.cursor[a], table.scheduled[a], table.finished[a] = 9, 12, True
     table.add_keys([a], keys(1), [1])
-    table.take_fresh(np.array([a]))
+    fresh_of(table, np.array([a]))
     extend(table, [a], [0], [2], [3, 4])
     version = table.version
     assert table.remove(["a"]).tolist() == [3, 4]
@@ -474,7 +486,7 @@ def _random_table(rng: np.random.Generator) -> RequestTable:
     rows = table.add_many(ids, rng.integers(0, 50, len(ids)).tolist())
     table.remove(ids[:3])  # free rows in the middle
     rows = rows[3:]
-    table.take_fresh(rows[rng.random(len(rows)) < 0.5])
+    fresh_of(table, rows[rng.random(len(rows)) < 0.5])
     table.advance(rows, *(rng.integers(0, 90, len(rows)) for _ in range(3)))
     firsts = rng.integers(0, 9, len(rows))
     counts = rng.integers(0, 5, len(rows))
