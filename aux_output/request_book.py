@@ -14,13 +14,11 @@ queued and applied in order by ``process_output`` (``Publisher``).
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
 
 import numpy as np
 import torch
 
 from r3capture.aux_output import envs, small_step
-from r3capture.aux_output.call_checks import checked_batch_arrays
 from r3capture.aux_output.device_side import DeviceSide, LaunchedStep
 from r3capture.aux_output.errors import require
 from r3capture.aux_output.key_work import KeyWorkQueue
@@ -34,7 +32,12 @@ from r3capture.aux_output.sizing import (
     reserve_slots,
     ring_widths,
 )
-from r3capture.aux_output.step_commit import StepLayout, check_not_overwritten, commit_step
+from r3capture.aux_output.step_commit import (
+    StepLayout,
+    check_not_overwritten,
+    commit_step,
+    give_new_slots,
+)
 from r3capture.aux_output.step_launcher import StepLauncher
 from r3capture.aux_output.steps_in_flight import StepsInFlight
 from r3capture.aux_output.types import AuxOutputConnectorMetadata, AuxRequestOutput
@@ -55,8 +58,6 @@ class RequestBook:
         partial_first_ok: bool = False,
     ) -> None:
         self.sizing = sizing
-        self._max_num_seqs = sizing.max_num_seqs
-        self._max_num_batched_tokens = sizing.max_num_batched_tokens
         # A request's first capture may start inside a hash block (P/D decoders).
         self._partial_first_ok = partial_first_ok
         B = self._block_size = sizing.hash_block_size
@@ -102,7 +103,7 @@ class RequestBook:
     def make_device_side(self, capture_buffer: torch.Tensor, kernel_impl: str) -> DeviceSide:
         """The device half, sized from this book; its ``launcher`` launches through it."""
         self.device_side = self.launcher.make_device_side(
-            self.store, capture_buffer, kernel_impl, self._key_work.apply_teardown
+            self.store, capture_buffer, kernel_impl, self._key_work
         )
         return self.device_side
 
@@ -209,24 +210,6 @@ class RequestBook:
             table.add_many(new, [requests[request_id] for request_id in new])
         return table.rows(ids, cache="scheduled")
 
-    # ------------------------------------------------------------------ prepare_output
-    def layout_of(self, input_batch: Any) -> StepLayout:
-        """The step's request ids, table rows, scheduler starts and query_start_loc."""
-        request_ids, starts, qsl, num_rows = checked_batch_arrays(
-            input_batch, self._max_num_seqs, self._max_num_batched_tokens
-        )
-        tearing_down = self._key_work.tearing_down
-        if tearing_down and not tearing_down.isdisjoint(request_ids):
-            self._key_work.apply_all()  # the batch names a request that is gone: KeyError
-        rows = self.table.rows(request_ids, cache="batch", reuse="scheduled")
-        if rows is not self._checked_rows:
-            if len(set(request_ids)) != len(request_ids):
-                raise ValueError(f"input_batch.req_ids names a request twice: {request_ids}")
-            self._checked_rows = rows
-        return StepLayout(request_ids, rows, starts, qsl, num_rows)
-
-    _checked_rows: np.ndarray | None = None
-
     # ------------------------------------------------------------------ process_output
     def commit(
         self,
@@ -328,33 +311,17 @@ class RequestBook:
     def _take_new_slots(
         self, layout: StepLayout, step_info: np.ndarray, placed_only: bool = False
     ) -> None:
-        """Give the step's requests the slots their launch took from the queue (its
-        ``step_info[:, 3]``, in batch order): each request's new blocks start at its ring's
-        end, or at its first captured block. ``placed_only`` (a step that failed): the slots
-        a request the kernel failed took go back to the store instead, since its launch
-        wrote no ring entry for them (a request sharing its index takes them all the same)."""
-        taken = step_info[:, 3]
-        slots = self.launcher.queue.commit(int(taken.sum()))
-        if not slots.size:
-            return
-        if placed_only:
-            failed = step_info[:, 2] != 0
-            if failed.any():
-                unplaced = np.repeat(failed, taken)
-                self._publisher.free(slots[unplaced])
-                slots, taken = slots[~unplaced], np.where(failed, 0, taken)
-                if not slots.size:
-                    return
-        grew = taken.nonzero()[0]
-        rows = layout.rows[grew]
-        ends = self.table.end[rows]
-        starts = step_info[grew, 0].astype(np.int64)
-        firsts = np.where(ends == 0, starts // self._block_size, ends)
-        self.table.extend(rows, firsts, taken[grew].astype(np.int64), slots)
-        if self._partial_first_ok:
-            partial = ((ends == 0) & (starts % self._block_size != 0)).nonzero()[0]
-            if partial.size:
-                self.table.mark_partial_first(rows[partial], starts[partial])
+        """The queue's slots the step's launch took go to its requests (``give_new_slots``);
+        with ``placed_only`` (a step that failed), those of requests the kernel failed go
+        back to the store."""
+        slots = self.launcher.queue.commit(int(step_info[:, 3].sum()))
+        if slots.size:
+            unplaced = give_new_slots(
+                self.table, layout.rows, step_info, slots, self._block_size,
+                placed_only=placed_only, partial_first_ok=self._partial_first_ok,
+            )  # fmt: skip
+            if unplaced.size:
+                self._publisher.free(unplaced)
 
     def _drop_partial_blocks(self, rows: np.ndarray) -> None:
         """P/D decoders: a partial first block whose rows were all returned leaves the ring

@@ -12,7 +12,8 @@ and for that request the checks come in vLLM's order.
 
 These are vector operations over the step's requests; a small step is committed by a loop
 over Python ints instead (``small_step.py``), which hands every step that fails a check to
-this commit for its error.
+this commit for its error. ``give_new_slots`` hands the slots a step's launch took from the
+free-slot queue to its requests' rings.
 """
 
 from __future__ import annotations
@@ -262,3 +263,46 @@ def check_not_overwritten(
                 "the direct destination cannot return them "
                 "(R3CAPTURE_DESTINATION=staging keeps each step's rows apart)"
             )
+
+
+_NO_SLOTS = np.empty(0, np.int64)
+
+
+def give_new_slots(
+    table: RequestTable,
+    rows: np.ndarray,
+    step_info: np.ndarray,
+    slots: np.ndarray,
+    block_size: int,
+    *,
+    placed_only: bool = False,
+    partial_first_ok: bool = False,
+) -> np.ndarray:
+    """Give the step's requests (table ``rows``, int64 ``[R]``) the ``slots`` (int64) their
+    launch took from the queue, ``step_info[:, 3]`` of them each, in batch order: each
+    request's new blocks start at its ring's end, or at its first captured block (a
+    partial one, with ``partial_first_ok``, is marked so). Returns the slots no request
+    takes (int64): with ``placed_only`` (a step that failed), those a request the kernel
+    failed took, since its launch wrote no ring entry for them (a request sharing its index
+    takes them all the same)."""
+    taken = step_info[:, 3]
+    unplaced_slots = _NO_SLOTS
+    if placed_only:
+        failed = step_info[:, 2] != 0
+        if failed.any():
+            unplaced = np.repeat(failed, taken)
+            unplaced_slots = slots[unplaced]
+            slots, taken = slots[~unplaced], np.where(failed, 0, taken)
+            if not slots.size:
+                return unplaced_slots
+    grew = taken.nonzero()[0]
+    grown = rows[grew]
+    ends = table.end[grown]
+    starts = step_info[grew, 0].astype(np.int64)
+    firsts = np.where(ends == 0, starts // block_size, ends)
+    table.extend(grown, firsts, taken[grew].astype(np.int64), slots)
+    if partial_first_ok:
+        partial = ((ends == 0) & (starts % block_size != 0)).nonzero()[0]
+        if partial.size:
+            table.mark_partial_first(grown[partial], starts[partial])
+    return unplaced_slots

@@ -2,11 +2,12 @@
 
 ``StepLauncher`` builds the ``DeviceSide`` (device buffers, the kernel's launcher) and the
 host side of the free-slot queue (``slot_queue.py``), keeps the kernel's destination on the
-store's current arena, and launches each step: the checks of the batch's device inputs, the
-queue's reservation (one integer comparison unless it must refill), the flags of requests new
-to their index, and one kernel launch. No per-request work and no upload
-(``docs/device_slots.md``). ``RequestBook`` owns it and reads the kernel's results through
-its ``device_side`` and ``queue`` on the output thread.
+store's current arena, and launches each step: the batch's layout (its host arrays checked,
+its requests' table rows), the checks of its device inputs, the queue's reservation (one
+integer comparison unless it must refill), the flags of requests new to their index, and
+one kernel launch. No per-request work and no upload (``docs/device_slots.md``).
+``RequestBook`` owns it and reads the kernel's results through its ``device_side`` and
+``queue`` on the output thread.
 """
 
 from __future__ import annotations
@@ -16,9 +17,10 @@ from typing import Any
 
 import torch
 
-from r3capture.aux_output.call_checks import input_batch_error
+from r3capture.aux_output.call_checks import checked_batch_arrays, input_batch_error
 from r3capture.aux_output.device_side import TORCH_DTYPES, DeviceSide, LaunchedStep
 from r3capture.aux_output.errors import AuxOutputProtocolError
+from r3capture.aux_output.key_work import KeyWorkQueue
 from r3capture.aux_output.request_table import RequestTable
 from r3capture.aux_output.sizing import WorkerSizing, queue_size, queue_stock
 from r3capture.aux_output.slot_queue import SlotQueue
@@ -66,6 +68,10 @@ class StepLauncher:
         self.queue: SlotQueue | None = None
         # Launches so far: the kernel's serial for the next is one more.
         self._launches = 0
+        self._key_work: KeyWorkQueue | None = None
+        # The rows of the last batch checked for repeated ids (the same array while the
+        # batch's requests stay the same).
+        self._checked_rows = None
         # Set when the store arena is replaced: the device side must attach again before
         # the next launch.
         self._detached = True
@@ -75,12 +81,14 @@ class StepLauncher:
         store: BlockStore,
         capture_buffer: torch.Tensor,
         kernel_impl: str,
-        apply_teardown: Callable[[], bool],
+        key_work: KeyWorkQueue,
     ) -> DeviceSide:
-        """Build the device side and the queue's host side over ``store``; ``apply_teardown``
-        frees slots of finished requests when a refill runs short."""
+        """Build the device side and the queue's host side over ``store``; ``key_work``'s
+        recorded teardown frees slots of finished requests when a refill runs short, and
+        applies before a batch that names a request it tears down."""
         sizing = self._sizing
         self._store = store
+        self._key_work = key_work
         self.device_side = DeviceSide(
             capture_buffer=capture_buffer,
             dtype=sizing.dtype,
@@ -93,7 +101,7 @@ class StepLauncher:
             kernel_impl=kernel_impl,
         )
         self.queue = SlotQueue(
-            self.device_side.queue_np, store, queue_stock(sizing), apply_teardown
+            self.device_side.queue_np, store, queue_stock(sizing), key_work.apply_teardown
         )
         self.queue.refill()
         # Attached now rather than at the first launch: building the launches is one-time
@@ -106,6 +114,23 @@ class StepLauncher:
         and the next launch attaches to the new one."""
         self._detached = True
         self._wait_for_device_writes()
+
+    def layout_of(self, input_batch: Any) -> StepLayout:
+        """The step's request ids, table rows, scheduler starts and query_start_loc, from
+        ``input_batch``'s host arrays (checked: ``checked_batch_arrays``)."""
+        sizing = self._sizing
+        request_ids, starts, qsl, num_rows = checked_batch_arrays(
+            input_batch, sizing.max_num_seqs, sizing.max_num_batched_tokens
+        )
+        tearing_down = self._key_work.tearing_down
+        if tearing_down and not tearing_down.isdisjoint(request_ids):
+            self._key_work.apply_all()  # the batch names a request that is gone: KeyError
+        rows = self._table.rows(request_ids, cache="batch", reuse="scheduled")
+        if rows is not self._checked_rows:
+            if len(set(request_ids)) != len(request_ids):
+                raise ValueError(f"input_batch.req_ids names a request twice: {request_ids}")
+            self._checked_rows = rows
+        return StepLayout(request_ids, rows, starts, qsl, num_rows)
 
     def launch(
         self, layout: StepLayout, input_batch: Any, num_rejected: torch.Tensor | None

@@ -6,10 +6,10 @@ Per step (same call order and threads as vLLM's ``AuxOutputWorkerConnector``):
    rows; the step's key work (new block hashes, the scheduler's pins, the teardown of
    finished requests with no step in flight, their store call) is recorded for the output
    thread (``RequestBook.begin``, ``key_work.py``).
-2. ``prepare_output(input_batch)`` (main thread): the batch's device inputs are checked and
-   one kernel launch writes every accepted row into its slot, taking the slots of new
-   blocks itself from the free-slot queue (``StepLauncher.launch`` + ``DeviceSide.launch``);
-   no per-request work and no upload.
+2. ``prepare_output(input_batch)`` (main thread): the batch's host arrays and device inputs
+   are checked and one kernel launch writes every accepted row into its slot, taking the
+   slots of new blocks itself from the free-slot queue (``StepLauncher.layout_of`` and
+   ``launch``, ``DeviceSide.launch``); no per-request work and no upload.
 3. ``PendingStep.enqueue_cpu_copy`` (copy stream): the host counts are recorded and the
    kernel's per-request results (and, in the staging destination, the step's rows) are
    copied back; nothing else, as it runs on the main thread too.
@@ -211,8 +211,9 @@ class TritonAuxOutputWorker:
         if self._book is None or self._step_metadata is None:
             return None
         with self._lock:
-            layout = self._book.layout_of(input_batch)
-            launched = self._book.launcher.launch(layout, input_batch, num_rejected)
+            launcher = self._book.launcher
+            layout = launcher.layout_of(input_batch)
+            launched = launcher.launch(layout, input_batch, num_rejected)
         return PendingStep(self, layout, launched)
 
     def process_output(self, pending: PendingStep) -> dict[str, AuxRequestOutput]:

@@ -73,7 +73,6 @@ class PartTimes:
 def _part_targets() -> list[tuple[Any, str, str]]:
     from r3capture.aux_output import (
         device_side,
-        request_book,
         request_table,
         slot_queue,
         step_launcher,
@@ -81,7 +80,7 @@ def _part_targets() -> list[tuple[Any, str, str]]:
     from r3capture.kernels import GatherAllocLaunch
 
     return [
-        (request_book.RequestBook, "layout_of", "layout_of"),
+        (step_launcher.StepLauncher, "layout_of", "layout_of"),
         (step_launcher, "step_tensors_pass", "launcher checks"),
         (slot_queue.SlotQueue, "reserve", "queue reserve"),
         (request_table.RequestTable, "take_fresh", "fresh flags"),

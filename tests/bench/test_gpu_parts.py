@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from bench import gpu_parts
-from r3capture.aux_output.request_book import RequestBook
+from r3capture.aux_output.step_launcher import StepLauncher
 from r3capture.kernels import GatherAllocLaunch
 
 
@@ -21,10 +21,10 @@ def test_without_cuda_it_says_so_and_exits_3(capsys: pytest.CaptureFixture[str])
 
 
 def test_cpu_dry_run_times_every_part_within_its_call(tmp_path: Path) -> None:
-    layout_of, launch_checked = RequestBook.layout_of, GatherAllocLaunch.launch_checked
+    layout_of, launch_checked = StepLauncher.layout_of, GatherAllocLaunch.launch_checked
     assert gpu_parts.main(["--device", "cpu", "--families", "spec-k3", "--out", str(tmp_path)]) == 0
     # Unwrapped again.
-    assert RequestBook.layout_of is layout_of
+    assert StepLauncher.layout_of is layout_of
     assert GatherAllocLaunch.launch_checked is launch_checked
     doc = json.loads((tmp_path / "gpu_parts.json").read_text())
     ops = doc["ops_us_p50"]
