@@ -69,21 +69,21 @@ class Publisher:
             rows = np.asarray(rows, np.int64)
             # A request without a cursor (-1) gets min(.., -1) - base < 0: nothing ready.
             cursor_blocks = table.cursor[rows] // self._block_size
-            ready = np.minimum(table.num_keys[rows], cursor_blocks) - table.base[rows]
-            if table.num_partial:
+            ready = np.minimum(table.num_keys[rows], cursor_blocks) - table.rings.base[rows]
+            if table.rings.num_partial:
                 # A partial first block (P/D decoders) is never published, and blocks
                 # come out in order: nothing until it leaves (``RequestBook.commit``).
-                ready[table.partial[rows] > 0] = 0
+                ready[table.rings.partial[rows] > 0] = 0
             chosen = (ready > 0).nonzero()[0]
             if chosen.size:
                 rows, ready = rows[chosen], ready[chosen]
-                bases = table.base[rows]
+                bases = table.rings.base[rows]
                 parts = [
                     table.keys_of(row, base, base + count)
                     for row, base, count in zip(rows.tolist(), bases.tolist(), ready.tolist())
                 ]
                 keys = join_key_objects(parts) if len(parts) > 1 else parts[0]
-                slots = table.take_leading(rows, ready)
+                slots = table.rings.take_leading(rows, ready)
         if len(keys) or len(retain_keys) or len(release_keys):
             self._queued.append((keys, slots, retain_keys, release_keys))
         if finished:
@@ -95,11 +95,11 @@ class Publisher:
         table, block_size = self._table, self._block_size
         key_parts, slot_parts = [], []
         for row in rows:
-            base = table.base.item(row)
+            base = table.rings.base.item(row)
             ready = min(table.num_keys.item(row), table.cursor.item(row) // block_size) - base
-            if ready > 0 and not (table.num_partial and table.partial.item(row)):
+            if ready > 0 and not (table.rings.num_partial and table.rings.partial.item(row)):
                 key_parts.append(table.keys_of(row, base, base + ready))
-                slot_parts.append(table.take_leading_row(row, ready))
+                slot_parts.append(table.rings.take_leading_row(row, ready))
         if not key_parts:
             return NO_KEY_OBJECTS, _NO_SLOTS
         if len(key_parts) == 1:

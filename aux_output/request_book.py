@@ -302,7 +302,7 @@ class RequestBook:
             request_id = layout.request_ids[i]
             rows = self._reader.materialize(request_id, layout.rows.item(i), emit_start, token_end)
             outputs[request_id] = AuxRequestOutput(emit_start, rows)
-        if self.table.num_partial:
+        if self.table.rings.num_partial:
             self._drop_partial_blocks(layout.rows)
         self.device_side.count_transfer(launched, rows_written)
         self.launcher.queue.refill()
@@ -326,7 +326,9 @@ class RequestBook:
     def _drop_partial_blocks(self, rows: np.ndarray) -> None:
         """P/D decoders: a partial first block whose rows were all returned leaves the ring
         (its slot back to the reserve), and the blocks it held back are published."""
-        dropped, slots = self.table.drop_partial_first(rows, self._block_size)
+        table = self.table
+        done_to = np.minimum(table.cursor[rows], table.emit[rows])
+        dropped, slots = table.rings.drop_partial_first(rows, done_to, self._block_size)
         if dropped.size:
             self._publisher.free(slots)
             self._publisher.publish(dropped)

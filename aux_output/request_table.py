@@ -3,11 +3,7 @@
 One row per live request. Numeric state lives in numpy arrays indexed by row; each row also
 owns its store keys (key objects, ``r3capture.store.keys``: one per hash block, in block
 order; the same objects from the step their hashes arrive to the request's release) and a
-ring of store slots: the slot of hash block ``b`` sits at ``ring[row, b % W]``. The
-ring holds the request's *unbound* blocks ``base .. end - 1``: blocks complete and get keys
-in order, so everything below ``base`` is bound in the store (or was a cached prefix) and the
-unbound blocks are always one contiguous range of at most ``W`` blocks. The kernel takes the
-slots on the device; each commit hands the table the ones its step took (``extend``).
+ring of store slots for its unbound blocks (``rings``, ``slot_rings.py``).
 
 The table owns these invariants: callers read its columns, and change state only through its
 methods (the step commit's cursors with ``advance``, a finish with ``mark_finished``).
@@ -19,13 +15,14 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from r3capture.aux_output.slot_rings import SlotRings
 from r3capture.store import NO_KEY_OBJECTS, KeyObjects, join_key_objects
 
 NO_CURSOR = -1
 # Every column's value in a free row.
 _FRESH_STATE = (
     ("cursor", NO_CURSOR),
-    *((name, 0) for name in ("scheduled", "emit", "base", "end", "num_keys", "partial")),
+    *((name, 0) for name in ("scheduled", "emit", "num_keys")),
     ("finished", False),
 )
 # Second form of ``remove``, for a few requests (a decode step finishes one or two): scalar
@@ -42,16 +39,14 @@ class RequestTable:
         capacity: initial number of rows (doubles when full).
     """
 
-    _INT_FIELDS = ("cursor", "scheduled", "emit", "base", "end", "num_keys", "partial")
+    _INT_FIELDS = ("cursor", "scheduled", "emit", "num_keys")
 
     def __init__(self, ring_width: int, capacity: int = 64) -> None:
-        self.ring_width = int(ring_width)
+        self.rings = SlotRings(ring_width)
         self.index: dict[str, int] = {}
         # Rows added and not yet named by a launch (``take_fresh``): a set, not a bool
         # column, because a launch names few new rows and a column costs vector calls.
         self.unlaunched: set[int] = set()
-        # Rows whose first block is partial (``mark_partial_first``) and not yet dropped.
-        self.num_partial = 0
         self._keys: list[list[bytes]] = []
         self._free_rows: list[int] = []
         self._capacity = 0
@@ -59,17 +54,11 @@ class RequestTable:
         self.version = 0
         self._rows_cache: dict[str, tuple[int, list[str], np.ndarray]] = {}
         # cursor: end of the captured rows (NO_CURSOR before the first capture); scheduled:
-        # end of the last scheduled range; emit: first row not yet returned; base: first
-        # unbound block; end: one past the last
-        # block with a slot (0 until the request takes its first slots); num_keys: store
-        # keys known (one per hash block); partial: one past the first captured position
-        # when the request's first capture started inside a block (that block is never
-        # published), else 0.
-        self.cursor = self.scheduled = self.emit = np.empty(0, np.int64)
-        self.base = self.end = self.num_keys = self.partial = np.empty(0, np.int64)
+        # end of the last scheduled range; emit: first row not yet returned; num_keys: store
+        # keys known (one per hash block).
+        self.cursor = self.scheduled = self.emit = self.num_keys = np.empty(0, np.int64)
         # finished: the scheduler finished it.
         self.finished = np.empty(0, bool)
-        self.ring = np.empty((0, self.ring_width), np.int32)
         self._grow(capacity)
 
     def __len__(self) -> int:
@@ -89,9 +78,7 @@ class RequestTable:
         finished = np.zeros(capacity, bool)
         finished[:old] = self.finished
         self.finished = finished
-        ring = np.full((capacity, self.ring_width), -1, np.int32)
-        ring[:old] = self.ring
-        self.ring = ring
+        self.rings.grow(capacity)
         self._keys.extend([] for _ in range(capacity - old))
         self._free_rows.extend(range(capacity - 1, old - 1, -1))
         self._capacity = capacity
@@ -160,18 +147,13 @@ class RequestTable:
                 if index.get(request_id) == row:
                     del index[request_id]
         self.version += 1
-        if len(rows) <= REMOVE_PER_ROW_MAX:
-            slots = np.array(self._unbound_slots_each(rows), np.int64)
-            if self.num_partial:
-                self.num_partial -= sum(self.partial.item(row) > 0 for row in rows)
+        per_row = len(rows) <= REMOVE_PER_ROW_MAX
+        slots = self.rings.release(rows, per_row)
+        if per_row:
             for row in rows:
                 self._reset(row)
         else:
-            taken = np.asarray(rows, np.int64)
-            slots = self.unbound_slots(taken)
-            if self.num_partial:
-                self.num_partial -= int(np.count_nonzero(self.partial[taken]))
-            self._reset(taken)
+            self._reset(np.asarray(rows, np.int64))
         for row in rows:
             self._keys[row] = []
         self.unlaunched.difference_update(rows)
@@ -228,7 +210,7 @@ class RequestTable:
             return NO_KEY_OBJECTS
         return join_key_objects(map(reversed, map(self._keys.__getitem__, rows)))
 
-    # ---------------------------------------------------------------- slots
+    # ---------------------------------------------------------------- launches
     @property
     def num_unlaunched(self) -> int:
         """Rows (live or detached) that no launch named yet."""
@@ -256,140 +238,3 @@ class RequestTable:
                 step_flags[position] = 1
         unlaunched.difference_update(new)
         return True
-
-    def extend(
-        self, rows: np.ndarray, firsts: np.ndarray, counts: np.ndarray, slots: np.ndarray
-    ) -> None:
-        """Give each ``rows[i]`` (distinct) the slots of blocks ``firsts[i] ..
-        firsts[i] + counts[i] - 1`` from ``slots`` (int64, row by row, block order): the
-        blocks its launch took. ``firsts[i]`` is the row's ``end``, or its first block if it
-        had none. Raises ``OverflowError`` (before any change) when a request would hold
-        more than ``ring_width`` unbound blocks."""
-        ends = self.end[rows]
-        bases = np.where(ends == 0, firsts, self.base[rows])
-        lasts = firsts + counts
-        too_wide = lasts - bases > self.ring_width
-        if too_wide.any():
-            i = int(np.argmax(too_wide))
-            raise _ring_overflow(int(lasts[i] - bases[i]), self.ring_width)
-        row_of, block = _block_runs(rows, firsts, counts)
-        self.ring[row_of, block % self.ring_width] = slots
-        self.base[rows] = bases
-        self.end[rows] = lasts
-
-    def extend_row(self, row: int, first: int, slots: np.ndarray) -> None:
-        """``extend`` for one row (a Python int): blocks ``first ..`` get ``slots`` (int64).
-        Raises ``OverflowError`` before changing the row."""
-        end = self.end.item(row)
-        base = first if end == 0 else self.base.item(row)
-        last = first + len(slots)
-        width = self.ring_width
-        if last - base > width:
-            raise _ring_overflow(last - base, width)
-        ring = self.ring[row]
-        at = first % width
-        head = min(len(slots), width - at)
-        ring[at : at + head] = slots[:head]
-        if head < len(slots):  # the run wraps past the ring's end
-            ring[: len(slots) - head] = slots[head:]
-        self.base[row] = base
-        self.end[row] = last
-
-    def mark_partial_first(self, rows: np.ndarray, first_positions: np.ndarray) -> None:
-        """Rows (int64, distinct, each with its first block just taken by ``extend``) whose
-        first capture started at ``first_positions`` (int64), inside that block: its earlier
-        rows were never captured, so the block is never published; ``drop_partial_first``
-        frees it once its rows were returned."""
-        self.partial[rows] = first_positions + 1
-        self.num_partial += len(rows)
-
-    def partial_start(self, row: int) -> int | None:
-        """The first captured position of ``row`` while its partial first block is held."""
-        marked = int(self.partial[row]) if self.num_partial else 0
-        return marked - 1 if marked else None
-
-    def drop_partial_first(
-        self, rows: np.ndarray, block_size: int
-    ) -> tuple[np.ndarray, np.ndarray]:
-        """Of ``rows`` (int64, distinct), the partial first blocks whose captured rows are
-        all in and returned (cursor and emit cursor past the block) leave the ring; returns
-        their rows and slots (int64), the slots for the store's reserve."""
-        marked = self.partial[rows]
-        ends = ((marked - 1) // block_size + 1) * block_size  # the partial block's end
-        done = (marked > 0) & (np.minimum(self.cursor[rows], self.emit[rows]) >= ends)
-        dropped = rows[done]
-        if not dropped.size:
-            return dropped, _NO_SLOTS
-        self.partial[dropped] = 0
-        self.num_partial -= len(dropped)
-        return dropped, self.take_leading(dropped, np.ones(len(dropped), np.int64))
-
-    def take_leading(self, rows: np.ndarray, counts: np.ndarray) -> np.ndarray:
-        """Hand the first ``counts[i]`` unbound blocks of each ``rows[i]`` (distinct; int64
-        arrays) over to the store: returns their slots (int64, row by row, block order) and
-        advances ``base``."""
-        bases = self.base[rows]
-        slots = self._window_slots(rows, bases, counts)
-        self.base[rows] = bases + counts
-        return slots
-
-    def take_leading_row(self, row: int, count: int) -> np.ndarray:
-        """``take_leading`` for one row (Python ints)."""
-        base = self.base.item(row)
-        width = self.ring_width
-        at = base % width
-        ring = self.ring[row]
-        if at + count <= width:
-            slots = ring[at : at + count].astype(np.int64)
-        else:
-            slots = np.concatenate((ring[at:], ring[: at + count - width])).astype(np.int64)
-        self.base[row] = base + count
-        return slots
-
-    def _unbound_slots_each(self, rows: Sequence[int]) -> list[int]:
-        """``unbound_slots`` of a few ``rows`` (ints) by scalar reads."""
-        ring, width = self.ring, self.ring_width
-        return [
-            ring.item(row, block % width)
-            for row in rows
-            for block in range(self.base.item(row), self.end.item(row))
-        ]
-
-    def unbound_slots(self, rows: np.ndarray) -> np.ndarray:
-        """Slots (int64) of the unbound blocks of ``rows``, row by row."""
-        base = self.base[rows]
-        return self._window_slots(rows, base, np.maximum(self.end[rows] - base, 0))
-
-    def _window_slots(self, rows: np.ndarray, firsts: np.ndarray, counts: np.ndarray) -> np.ndarray:
-        """Slots (int64) of blocks ``firsts[i] .. firsts[i] + counts[i] - 1`` of each
-        ``rows[i]`` (int64 arrays; the blocks must lie in the row's ring), row by row."""
-        row_of, block = _block_runs(rows, firsts, counts)
-        return self.ring[row_of, block % self.ring_width].astype(np.int64)
-
-    def arena_rows(self, rows: np.ndarray, positions: np.ndarray, block_size: int) -> np.ndarray:
-        """Arena row (slot * B + offset, int64) of token ``positions[j]`` of ``rows[j]``; the
-        position must lie in an unbound block."""
-        blocks = positions // block_size
-        slots = self.ring[rows, blocks % self.ring_width].astype(np.int64)
-        return slots * block_size + positions % block_size
-
-
-_NO_SLOTS = np.empty(0, np.int64)
-
-
-def _ring_overflow(needed: int, width: int) -> OverflowError:
-    """The error for a request needing ``needed`` unbound blocks."""
-    return OverflowError(
-        f"a request needs {needed} unbound hash blocks, more than the slot ring holds ({width})"
-    )
-
-
-def _block_runs(
-    rows: np.ndarray, firsts: np.ndarray, counts: np.ndarray
-) -> tuple[np.ndarray, np.ndarray]:
-    """For each ``rows[i]``, the blocks ``firsts[i] .. firsts[i] + counts[i] - 1``, flattened:
-    ``(row of each block, block index)``, int64."""
-    row_of = np.repeat(rows, counts)
-    block = np.arange(len(row_of), dtype=np.int64)
-    block += np.repeat(firsts - (np.cumsum(counts) - counts), counts)
-    return row_of, block

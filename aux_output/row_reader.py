@@ -81,7 +81,7 @@ class RowReader:
             row_of = np.repeat(rows, counts)
             positions = np.arange(int(counts.sum()), dtype=np.int64)
             positions += np.repeat(starts - first, counts)
-        index = self._table.arena_rows(row_of, positions, self._block_size)
+        index = self._table.rings.arena_rows(row_of, positions, self._block_size)
         return index, counts.tolist(), starts.tolist()
 
     def materialize(self, request_id: str, row: int, emit_start: int, token_end: int) -> np.ndarray:
@@ -90,7 +90,7 @@ class RowReader:
         ``BlockObjectStoreError`` (fail closed)."""
         B = self._block_size
         table = self._table
-        partial_start = table.partial_start(row)
+        partial_start = table.rings.partial_start(row)
         if partial_start is not None:
             return self._read_unbound(request_id, row, partial_start, emit_start, token_end)
         stored_end = min(token_end // B, int(table.num_keys[row])) * B
@@ -126,7 +126,7 @@ class RowReader:
                     f"available=[{open_start}, {token_end})"
                 )
             positions = np.arange(read_from, token_end, dtype=np.int64)
-            index = table.arena_rows(np.full(len(positions), row), positions, B)
+            index = table.rings.arena_rows(np.full(len(positions), row), positions, B)
             out[read_from - emit_start :] = self.arena_rows()[index]
         return out
 
@@ -143,7 +143,9 @@ class RowReader:
                 "not computed here: its first capture began at the KV it received"
             )
         positions = np.arange(emit_start, token_end, dtype=np.int64)
-        index = self._table.arena_rows(np.full(len(positions), row), positions, self._block_size)
+        index = self._table.rings.arena_rows(
+            np.full(len(positions), row), positions, self._block_size
+        )
         out = self._pool.empty((len(positions), *self._shape), self._dtype)
         out[...] = self.arena_rows()[index]
         return out
@@ -161,7 +163,7 @@ class RowReader:
         source = np.repeat(layout.query_start_loc[:-1], counts) + offset
         positions = np.repeat(step_info[:, 0].astype(np.int64), counts) + offset
         row_of = np.repeat(layout.rows, counts)
-        target = self._table.arena_rows(row_of, positions, self._block_size)
+        target = self._table.rings.arena_rows(row_of, positions, self._block_size)
         self.arena_rows()[target] = staged.reshape(-1, *self._shape)[source]
 
     def arena_rows(self) -> np.ndarray:

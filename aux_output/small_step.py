@@ -155,15 +155,15 @@ def _take_slots(
     if not slots.size:
         return
     offset = 0
-    ends = table.end
+    ends = table.rings.end
     for row, (start, _, _, count) in zip(rows, placed):
         if not count:
             continue
         end = ends.item(row)
-        table.extend_row(row, end or start // block_size, slots[offset : offset + count])
+        table.rings.extend_row(row, end or start // block_size, slots[offset : offset + count])
         offset += count
         if not end and partial_first_ok and start % block_size:
-            table.mark_partial_first(np.array([row]), np.array([start]))
+            table.rings.mark_partial_first(np.array([row]), np.array([start]))
 
 
 def _emit(
@@ -179,7 +179,7 @@ def _emit(
     if not direct:
         return {}
     B = block_size
-    ring, width = table.ring, table.ring_width
+    ring, width = table.rings.ring, table.rings.ring_width
     index: list[int] = []
     for i, position, end in direct:
         row = rows[i]

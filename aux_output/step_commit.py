@@ -297,12 +297,12 @@ def give_new_slots(
                 return unplaced_slots
     grew = taken.nonzero()[0]
     grown = rows[grew]
-    ends = table.end[grown]
+    ends = table.rings.end[grown]
     starts = step_info[grew, 0].astype(np.int64)
     firsts = np.where(ends == 0, starts // block_size, ends)
-    table.extend(grown, firsts, taken[grew].astype(np.int64), slots)
+    table.rings.extend(grown, firsts, taken[grew].astype(np.int64), slots)
     if partial_first_ok:
         partial = ((ends == 0) & (starts % block_size != 0)).nonzero()[0]
         if partial.size:
-            table.mark_partial_first(grown[partial], starts[partial])
+            table.rings.mark_partial_first(grown[partial], starts[partial])
     return unplaced_slots

@@ -181,7 +181,7 @@ ABLATIONS = {
     # The argument checks of the three main-thread calls.
     "input-checks": (
         ("r3capture.aux_output.worker", "checked_emit_starts"),
-        ("r3capture.aux_output.request_book", "checked_batch_arrays"),
+        ("r3capture.aux_output.step_launcher", "checked_batch_arrays"),
         ("r3capture.aux_output.step_launcher", "step_tensors_pass"),
     ),
     # Publication: block hashes becoming keys, blocks bound to them, pins, teardown. Not

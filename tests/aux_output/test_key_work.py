@@ -135,14 +135,14 @@ def test_publication_binds_only_blocks_the_cursor_has_passed():
     table = RequestTable(ring_width=4)
     publisher = Publisher(store, table, BLOCK_SIZE)
     row = table.add("a", 0)
-    table.extend(np.array([row]), np.array([0]), np.array([3]), store.allocate(3))
+    table.rings.extend(np.array([row]), np.array([0]), np.array([3]), store.allocate(3))
     table.add_keys([row], generation_0_keys(1, 2, 3), [3])
     rows = np.array([row], np.int64)
     for cursor, published in [(-1, 0), (3, 0), (5, 1), (7, 1), (8, 2), (12, 3)]:
         table.cursor[row] = cursor
         publisher.publish(rows)
         publisher.flush()
-        assert table.base[row] == published, cursor
+        assert table.rings.base[row] == published, cursor
         assert len(store) == published, cursor
 
 
@@ -163,7 +163,7 @@ def test_a_retain_only_call_rides_on_the_next_store_call(monkeypatch):
 
     monkeypatch.setattr(store, "bind", counted)
     row = table.add("a", 0)
-    table.extend(np.array([row]), np.array([0]), np.array([1]), store.allocate(1))
+    table.rings.extend(np.array([row]), np.array([0]), np.array([1]), store.allocate(1))
     work = StepKeyWork(None, None, 0)
     work.rows.append(row)
     work.hashes.append(packed(1))

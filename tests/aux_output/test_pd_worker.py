@@ -85,5 +85,5 @@ def test_decoders_return_only_their_rows_and_publish_only_whole_blocks(seed):
                 asked = meta({ask: first // B * B}, {ask: hashes(trace_seed, range(end // B))})
                 run_step(worker, asked, [(ask, 98, (end // B) * B, 1)])
             return  # the failed step leaves the worker as vLLM's would: start afresh
-    assert worker._book.table.num_partial == 0
+    assert worker._book.table.rings.num_partial == 0
     worker.close()

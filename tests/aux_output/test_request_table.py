@@ -23,35 +23,36 @@ def hash_words(keys: KeyObjects) -> list[int]:
 
 
 def extend(table, rows, firsts, counts, slots):
-    """``table.extend`` on lists (int64 arrays, as the commit passes them)."""
-    table.extend(*(np.asarray(a, np.int64) for a in (rows, firsts, counts, slots)))
+    """``table.rings.extend`` on lists (int64 arrays, as the commit passes them)."""
+    table.rings.extend(*(np.asarray(a, np.int64) for a in (rows, firsts, counts, slots)))
 
 
 def test_extend_starts_new_rows_at_their_first_block_and_wraps():
     table = RequestTable(ring_width=4)
-    assert table.ring.shape == (table.capacity, 4) and table.ring.dtype == np.int32
+    assert table.rings.ring.shape == (table.capacity, 4) and table.rings.ring.dtype == np.int32
     a, b = table.add("a", 0), table.add("b", 0)
     # New rows: a takes blocks 5..7, b blocks 0..1; each row's base is its first block.
     extend(table, [a, b], [5, 0], [3, 2], [10, 11, 12, 20, 21])
-    assert (table.base[a], table.end[a], table.base[b], table.end[b]) == (5, 8, 0, 2)
-    assert table.ring[a].tolist() == [-1, 10, 11, 12]  # blocks 5, 6, 7 at block % 4
-    assert table.ring[b].tolist() == [20, 21, -1, -1]
-    assert table.unbound_slots(np.array([a, b])).tolist() == [10, 11, 12, 20, 21]
+    rings = table.rings
+    assert (rings.base[a], rings.end[a], rings.base[b], rings.end[b]) == (5, 8, 0, 2)
+    assert table.rings.ring[a].tolist() == [-1, 10, 11, 12]  # blocks 5, 6, 7 at block % 4
+    assert table.rings.ring[b].tolist() == [20, 21, -1, -1]
+    assert table.rings.unbound_slots(np.array([a, b])).tolist() == [10, 11, 12, 20, 21]
     # a hands blocks 5 and 6 to the store, then continues at its end (8) into columns that
     # wrap around; its base stays where the store left it.
-    assert table.take_leading(np.array([a]), np.array([2])).tolist() == [10, 11]
-    assert (table.base[a], table.end[a]) == (7, 8)
+    assert table.rings.take_leading(np.array([a]), np.array([2])).tolist() == [10, 11]
+    assert (table.rings.base[a], table.rings.end[a]) == (7, 8)
     extend(table, [a], [8], [3], [13, 14, 15])
-    assert (table.base[a], table.end[a]) == (7, 11)
-    assert table.ring[a].tolist() == [13, 14, 15, 12]  # blocks 8, 9, 10 wrapped
-    assert table.unbound_slots(np.array([a])).tolist() == [12, 13, 14, 15]
+    assert (table.rings.base[a], table.rings.end[a]) == (7, 11)
+    assert table.rings.ring[a].tolist() == [13, 14, 15, 12]  # blocks 8, 9, 10 wrapped
+    assert table.rings.unbound_slots(np.array([a])).tolist() == [12, 13, 14, 15]
     # b continues at its end; a is untouched.
     extend(table, [b], [2], [1], [22])
-    assert table.unbound_slots(np.array([a])).tolist() == [12, 13, 14, 15]
-    assert table.unbound_slots(np.array([b])).tolist() == [20, 21, 22]
+    assert table.rings.unbound_slots(np.array([a])).tolist() == [12, 13, 14, 15]
+    assert table.rings.unbound_slots(np.array([b])).tolist() == [20, 21, 22]
     # The arena row of a position, as the emit reads it, wraps the same way.
     positions = np.array([7 * 16 + 3, 10 * 16 + 15, 2 * 16])
-    assert table.arena_rows(np.array([a, a, b]), positions, 16).tolist() == [
+    assert table.rings.arena_rows(np.array([a, a, b]), positions, 16).tolist() == [
         12 * 16 + 3,
         15 * 16 + 15,
         22 * 16,
@@ -64,22 +65,22 @@ def test_extend_of_a_row_whose_blocks_were_all_bound_continues_at_its_end():
     table = RequestTable(ring_width=2)
     a = table.add("a", 0)
     extend(table, [a], [3], [2], [7, 8])
-    table.take_leading(np.array([a]), np.array([2]))
-    assert (table.base[a], table.end[a]) == (5, 5)
+    table.rings.take_leading(np.array([a]), np.array([2]))
+    assert (table.rings.base[a], table.rings.end[a]) == (5, 5)
     extend(table, [a], [5], [2], [9, 10])  # a full ring again: 5..6
-    assert (table.base[a], table.end[a]) == (5, 7)
-    assert table.unbound_slots(np.array([a])).tolist() == [9, 10]
+    assert (table.rings.base[a], table.rings.end[a]) == (5, 7)
+    assert table.rings.unbound_slots(np.array([a])).tolist() == [9, 10]
 
 
 def test_ring_overflow_is_refused_before_any_change():
     table = RequestTable(ring_width=3)
     a, b = table.add("a", 0), table.add("b", 0)
     extend(table, [a], [0], [2], [1, 2])
-    state = (table.ring.copy(), table.base.copy(), table.end.copy())
+    state = (table.rings.ring.copy(), table.rings.base.copy(), table.rings.end.copy())
 
     def unchanged():
-        return all(np.array_equal(x, y) for x, y in zip(state, (table.ring, table.base,
-                                                                table.end)))  # fmt: skip
+        return all(np.array_equal(x, y) for x, y in zip(state, (table.rings.ring, table.rings.base,
+                                                                table.rings.end)))  # fmt: skip
 
     message = "a request needs {} unbound hash blocks, more than the slot ring holds \\(3\\)"
     # b (new) fits; a would hold blocks 0..3: refused, and b is not given its slots either.
@@ -96,10 +97,10 @@ def test_ring_overflow_is_refused_before_any_change():
     assert unchanged()
     # Exactly the ring: accepted; and once a's first blocks are bound, room again.
     extend(table, [a], [2], [1], [3])
-    assert table.unbound_slots(np.array([a])).tolist() == [1, 2, 3]
-    table.take_leading(np.array([a]), np.array([2]))
+    assert table.rings.unbound_slots(np.array([a])).tolist() == [1, 2, 3]
+    table.rings.take_leading(np.array([a]), np.array([2]))
     extend(table, [a], [3], [2], [4, 5])
-    assert table.unbound_slots(np.array([a])).tolist() == [3, 4, 5]
+    assert table.rings.unbound_slots(np.array([a])).tolist() == [3, 4, 5]
 
 
 def extend_per_row(table, rows, firsts, counts, slots):
@@ -107,12 +108,12 @@ def extend_per_row(table, rows, firsts, counts, slots):
     slots = np.asarray(slots, np.int64)
     offset = 0
     for row, first, count in zip(np.asarray(rows).tolist(), firsts, counts):
-        table.extend_row(row, int(first), slots[offset : offset + count])
+        table.rings.extend_row(row, int(first), slots[offset : offset + count])
         offset += count
 
 
 def take_leading_per_row(table, rows, counts):
-    parts = [table.take_leading_row(r, c) for r, c in zip(rows.tolist(), counts.tolist())]
+    parts = [table.rings.take_leading_row(r, c) for r, c in zip(rows.tolist(), counts.tolist())]
     return np.concatenate([np.empty(0, np.int64), *parts])
 
 
@@ -126,7 +127,7 @@ def test_extend_matches_a_block_by_block_model(seed, per_row):
     ``take_leading_row`` (the small steps' forms) keep the same model; a row that would
     overflow is refused before it changes (the rows before it in the take have theirs)."""
     extend_rows = extend_per_row if per_row else extend
-    take = take_leading_per_row if per_row else RequestTable.take_leading
+    take = take_leading_per_row if per_row else lambda t, *a: t.rings.take_leading(*a)
     rng = np.random.default_rng(seed)
     width = int(rng.integers(1, 8))
     table = RequestTable(ring_width=width, capacity=2)
@@ -165,12 +166,12 @@ def test_extend_matches_a_block_by_block_model(seed, per_row):
             first + count - (model[r]["base"] if model[r]["end"] else first)
             for r, first, count in zip(chosen.tolist(), firsts, counts)
         ]
-        before = deepcopy((table.ring, table.base, table.end))
+        before = deepcopy((table.rings.ring, table.rings.base, table.rings.end))
         over = next((i for i, n in enumerate(needed) if n > width), None)
         if over is not None and (not per_row or over == 0):
             with pytest.raises(OverflowError, match=f"needs {needed[over]} unbound"):
                 extend_rows(table, chosen, firsts, counts, slots)
-            after = (table.ring, table.base, table.end)
+            after = (table.rings.ring, table.rings.base, table.rings.end)
             assert all(np.array_equal(x, y) for x, y in zip(before, after))
         else:
             applied = len(chosen) if over is None else over
@@ -189,9 +190,9 @@ def test_extend_matches_a_block_by_block_model(seed, per_row):
                     entry["slots"][block] = next(taken)
                 entry["end"] = first + count
         for row, entry in model.items():
-            assert (table.base[row], table.end[row]) == (entry["base"], entry["end"])
+            assert (table.rings.base[row], table.rings.end[row]) == (entry["base"], entry["end"])
             blocks = range(entry["base"], entry["end"])
-            assert table.unbound_slots(np.array([row])).tolist() == [
+            assert table.rings.unbound_slots(np.array([row])).tolist() == [
                 entry["slots"][b] for b in blocks
             ]
     assert sorted(model) == sorted(table.live_rows().tolist())
@@ -324,7 +325,14 @@ def test_removed_rows_are_reused_fresh_and_version_bumps():
     assert table.version > version and "a" not in table.index
     again = table.add("c", 2)
     assert again == a
-    fresh = (table.cursor, table.scheduled, table.emit, table.base, table.end, table.num_keys)
+    fresh = (
+        table.cursor,
+        table.scheduled,
+        table.emit,
+        table.rings.base,
+        table.rings.end,
+        table.num_keys,
+    )
     assert [int(column[again]) for column in fresh] == [NO_CURSOR, 0, 2, 0, 0, 0]
     assert not table.finished[again] and again in table.unlaunched
     assert len(table.release_order([again])) == 0
@@ -343,7 +351,7 @@ def test_clear_frees_every_unbound_slot_in_add_order():
 
 def test_add_many_takes_fresh_rows_and_grows_past_double():
     table = RequestTable(ring_width=2, capacity=2)
-    assert table.capacity == 2 and len(table.cursor) == 2 and table.ring.shape == (2, 2)
+    assert table.capacity == 2 and len(table.cursor) == 2 and table.rings.ring.shape == (2, 2)
     first = table.add("a", 1)
     table.cursor[first] = 7
     table.remove(["a"])
@@ -354,8 +362,8 @@ def test_add_many_takes_fresh_rows_and_grows_past_double():
     assert table.rows(names).tolist() == rows.tolist()
     assert table.emit[rows].tolist() == list(range(10, 19))
     assert (table.cursor[rows] == NO_CURSOR).all() and not table.finished[rows].any()
-    assert (table.end[rows] == 0).all() and (table.num_keys[rows] == 0).all()
-    assert table.ring.shape == (table.capacity, 2) and (table.ring[rows] == -1).all()
+    assert (table.rings.end[rows] == 0).all() and (table.num_keys[rows] == 0).all()
+    assert table.rings.ring.shape == (table.capacity, 2) and (table.rings.ring[rows] == -1).all()
     assert table.add_many([], []).tolist() == [] and len(table) == 9
 
 
@@ -371,24 +379,25 @@ def test_window_slots_follow_each_ring(seed):
     next_slot = 0
     for _ in range(8):
         row = int(rng.choice(rows))
-        held = int(table.end[row] - table.base[row])
+        held = int(table.rings.end[row] - table.rings.base[row])
         if held and rng.random() < 0.4:
-            table.take_leading(np.array([row]), np.array([int(rng.integers(1, held + 1))]))
+            table.rings.take_leading(np.array([row]), np.array([int(rng.integers(1, held + 1))]))
         elif held < width:
-            first = int(table.end[row]) if table.end[row] else int(rng.integers(0, 20))
-            last = int(table.base[row] if table.end[row] else first) + int(rng.integers(0, width))
+            end, base = int(table.rings.end[row]), int(table.rings.base[row])
+            first = end or int(rng.integers(0, 20))
+            last = (base if end else first) + int(rng.integers(0, width))
             if last >= first:
                 count = last + 1 - first
                 extend(table, [row], [first], [count], range(next_slot, next_slot + count))
                 next_slot += count
     chosen = np.asarray(rng.permutation(rows)[: int(rng.integers(1, 7))], np.int64)
-    held = np.maximum(table.end[chosen] - table.base[chosen], 0)
+    held = np.maximum(table.rings.end[chosen] - table.rings.base[chosen], 0)
     handed = np.asarray([int(rng.integers(0, h + 1)) for h in held.tolist()], np.int64)
 
     def expected(row: int, first: int, count: int) -> list[int]:
-        return [int(table.ring[row, block % width]) for block in range(first, first + count)]
+        return [int(table.rings.ring[row, block % width]) for block in range(first, first + count)]
 
-    bases = table.base.copy()
+    bases = table.rings.base.copy()
     want_unbound = [
         slot
         for row, count in zip(chosen.tolist(), held.tolist())
@@ -399,13 +408,13 @@ def test_window_slots_follow_each_ring(seed):
         for row, count in zip(chosen.tolist(), handed.tolist())
         for slot in expected(row, int(bases[row]), count)
     ]
-    unbound = table.unbound_slots(chosen).tolist()
-    leading = table.take_leading(chosen, handed).tolist()
-    rest = table.unbound_slots(chosen).tolist()
+    unbound = table.rings.unbound_slots(chosen).tolist()
+    leading = table.rings.take_leading(chosen, handed).tolist()
+    rest = table.rings.unbound_slots(chosen).tolist()
     assert unbound == want_unbound and leading == want_leading
     moved = bases.copy()
     moved[chosen] += handed
-    assert table.base.tolist() == moved.tolist()
+    assert table.rings.base.tolist() == moved.tolist()
     assert len(unbound) == held.sum() and len(leading) == handed.sum()
     # Row by row, the handed-over blocks are the leading part of what was unbound.
     assert sorted(leading + rest) == sorted(unbound)
@@ -491,24 +500,25 @@ def _random_table(rng: np.random.Generator) -> RequestTable:
     firsts = rng.integers(0, 9, len(rows))
     counts = rng.integers(0, 5, len(rows))
     extend(table, rows, firsts, counts, range(100, 100 + int(counts.sum())))
-    table.take_leading(rows, np.minimum(table.end[rows] - table.base[rows], 1))
+    table.rings.take_leading(rows, np.minimum(table.rings.end[rows] - table.rings.base[rows], 1))
     table.add_keys(rows.tolist(), keys(*range(1, 2 * len(rows) + 1)), [2] * len(rows))
     partial = rows[rng.random(len(rows)) < 0.3]
-    table.mark_partial_first(partial, rng.integers(1, 4, len(partial)))
+    table.rings.mark_partial_first(partial, rng.integers(1, 4, len(partial)))
     for row in rows[rng.random(len(rows)) < 0.3].tolist():
         table.mark_finished(row)
     return table
 
 
 def _state(table: RequestTable) -> tuple:
-    columns = (*RequestTable._INT_FIELDS, "finished", "ring")
+    rings = table.rings
     return (
-        *(getattr(table, name).tolist() for name in columns),
+        *(getattr(table, name).tolist() for name in (*RequestTable._INT_FIELDS, "finished")),
+        *(getattr(rings, name).tolist() for name in ("ring", "base", "end", "partial")),
         [list(k) for k in table._keys],
         table._free_rows,
         table.index,
         table.unlaunched,
-        table.num_partial,
+        table.rings.num_partial,
     )
 
 

@@ -29,7 +29,7 @@ def _give_slots(store: BlockStore, table: RequestTable, rows, firsts, lasts) -> 
     returns the block counts."""
     rows, firsts, lasts = (np.asarray(a, np.int64) for a in (rows, firsts, lasts))
     counts = lasts + 1 - firsts
-    table.extend(rows, firsts, counts, store.allocate(int(counts.sum())))
+    table.rings.extend(rows, firsts, counts, store.allocate(int(counts.sum())))
     return counts
 
 
@@ -80,7 +80,7 @@ def _expected(store, table, row, start: int, end: int) -> np.ndarray:
     """Rows ``start .. end`` of table row ``row``, looked up one position at a time."""
     arena = store.arena_np.view(np.uint8).reshape(-1, L, K)
     return np.stack(
-        [arena[int(table.ring[row, p // B % W]) * B + p % B] for p in range(start, end)]
+        [arena[int(table.rings.ring[row, p // B % W]) * B + p % B] for p in range(start, end)]
     )
 
 
@@ -210,7 +210,7 @@ def test_place_staged_scatters_each_accepted_row_into_its_slot(seed):
     for i in range(num_reqs):
         for j in range(max(int(accepted[i]), 0) if status[i] == 0 else 0):
             p = int(starts[i]) + j
-            slot = int(table.ring[rows[i], p // B % W])
+            slot = int(table.rings.ring[rows[i], p // B % W])
             expected[slot * B + p % B] = staged[qsl[i] + j]
     assert np.array_equal(store.arena_np.view(np.uint8).reshape(-1, L, K), expected)
 

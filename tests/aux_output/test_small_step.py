@@ -36,7 +36,7 @@ def _with_slots(rng: random.Random, table, step, placed) -> np.ndarray:
         capture, written = int(placed[i, 0]), int(placed[i, 1])
         first = capture // B
         if table.cursor[row] >= 0:  # a request with a cursor holds its capture's block
-            table.extend_row(row, first, np.array([next_slot], np.int64))
+            table.rings.extend_row(row, first, np.array([next_slot], np.int64))
             next_slot += 1
             first += 1
         last = (capture + written - 1) // B if written > 0 else first - 1
@@ -46,8 +46,15 @@ def _with_slots(rng: random.Random, table, step, placed) -> np.ndarray:
 
 
 def _state(table, rows):
-    columns = (table.cursor, table.scheduled, table.emit, table.base, table.end, table.partial)
-    return [c[rows].tolist() for c in columns] + [table.ring[rows].tolist()]
+    columns = (
+        table.cursor,
+        table.scheduled,
+        table.emit,
+        table.rings.base,
+        table.rings.end,
+        table.rings.partial,
+    )
+    return [c[rows].tolist() for c in columns] + [table.rings.ring[rows].tolist()]
 
 
 def _taker(log):
@@ -68,9 +75,9 @@ def _vector_commit(table, step, placed, sampled, rejected, arena, log):
     grew = taken.nonzero()[0]
     if grew.size:
         rows = step.rows[grew]
-        ends = table.end[rows]
+        ends = table.rings.end[rows]
         firsts = np.where(ends == 0, placed[grew, 0].astype(np.int64) // B, ends)
-        table.extend(rows, firsts, taken[grew], slots)
+        table.rings.extend(rows, firsts, taken[grew], slots)
     plan = commit_step(step, table, sampled, rejected, placed, B)
     store = SimpleNamespace(arena_np=arena.reshape(-1, B * L * K))
     reader = RowReader(

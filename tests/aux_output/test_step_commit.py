@@ -142,18 +142,18 @@ def test_new_slots_extend_each_ring_and_a_failed_requests_go_back(placed_only):
 
     table, names = setup([NO_CURSOR, 8, NO_CURSOR])
     rows = table.rows(names)
-    table.extend(rows[1:2], np.array([2]), np.array([1]), np.array([40]))  # r1: block 2
+    table.rings.extend(rows[1:2], np.array([2]), np.array([1]), np.array([40]))  # r1: block 2
     step_info = info([6, 12, 9], [2, 4, 3], taken=[1, 1, 2])
     step_info[2, 2] = 5  # the kernel failed r2
     unplaced = give_new_slots(
         table, rows, step_info, np.array([10, 11, 12, 13]), B,
         placed_only=placed_only, partial_first_ok=True,
     )  # fmt: skip
-    assert table.end[rows].tolist()[:2] == [2, 4] and table.ring[rows[0], 1] == 10
-    assert table.ring[rows[1], 3] == 11 and table.base[rows[1]] == 2
-    assert table.partial_start(int(rows[0])) == 6  # block 1 starts at 4: partial
+    assert table.rings.end[rows].tolist()[:2] == [2, 4] and table.rings.ring[rows[0], 1] == 10
+    assert table.rings.ring[rows[1], 3] == 11 and table.rings.base[rows[1]] == 2
+    assert table.rings.partial_start(int(rows[0])) == 6  # block 1 starts at 4: partial
     if placed_only:
-        assert unplaced.tolist() == [12, 13] and table.end[rows[2]] == 0
+        assert unplaced.tolist() == [12, 13] and table.rings.end[rows[2]] == 0
     else:
-        assert unplaced.size == 0 and table.end[rows[2]] == 4  # blocks 2, 3 of r2
-        assert table.ring[rows[2], 2:4].tolist() == [12, 13]
+        assert unplaced.size == 0 and table.rings.end[rows[2]] == 4  # blocks 2, 3 of r2
+        assert table.rings.ring[rows[2], 2:4].tolist() == [12, 13]

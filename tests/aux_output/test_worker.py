@@ -349,7 +349,7 @@ def test_a_decoders_partial_first_block_is_returned_and_never_published():
     assert out["d"].token_start == 6
     assert np.array_equal(out["d"].rows, routes(2, 6, 4).astype(np.uint8))
     # Block 1 is complete and its rows returned: it left the ring, unpublished.
-    assert worker._book.table.num_partial == 0
+    assert worker._book.table.rings.num_partial == 0
     assert worker.store.peek_slot(key_of(0, 2, 1)) is None
     out = run_step(worker, meta({"d": 10}), [("d", 2, 10, 2)])
     assert np.array_equal(out["d"].rows, routes(2, 10, 2).astype(np.uint8))
@@ -370,12 +370,12 @@ def test_a_partial_first_block_waits_for_its_rows_to_be_returned():
     step returns them, then leaves."""
     worker = make_worker(partial_first_ok=True)
     run_step(worker, meta({"d": 6}, {"d": hashes(2, range(3))}), [("d", 2, 6, 4)], sampled=[0])
-    assert worker._book.table.num_partial == 1
+    assert worker._book.table.rings.num_partial == 1
     assert worker.store.peek_slot(key_of(0, 2, 1)) is None
     out = run_step(worker, meta({"d": 6}), [("d", 2, 10, 2)])
     assert out["d"].token_start == 6
     assert np.array_equal(out["d"].rows, routes(2, 6, 6).astype(np.uint8))
-    assert worker._book.table.num_partial == 0
+    assert worker._book.table.rings.num_partial == 0
     assert worker.store.peek_slot(key_of(0, 2, 1)) is None
     assert worker.store.ref_count(key_of(0, 2, 2)) == 1
     worker.close()
@@ -394,11 +394,11 @@ def test_a_partial_first_block_blocks_publication_until_it_leaves():
     worker = make_worker(partial_first_ok=True)
     unbound = worker.store.num_unbound
     run_step(worker, meta({"d": 5}, {"d": hashes(2, range(2))}), [("d", 2, 5, 1)])
-    assert worker._book.table.num_partial == 1
+    assert worker._book.table.rings.num_partial == 1
     assert worker.store.peek_slot(key_of(0, 2, 1)) is None
     worker.begin_step(meta({}, finished=["d"]))
     run_step(worker, meta({"g": 0}), [("g", 3, 0, 1)])
-    assert worker._book.table.num_partial == 0
+    assert worker._book.table.rings.num_partial == 0
     assert worker.num_active_requests() == 1
     assert worker.store.num_unbound <= unbound + 1  # g's open block, nothing of d's
     worker.close()
@@ -712,8 +712,8 @@ def test_async_decode_takes_one_slot_per_block_and_flags_each_request_fresh_once
             for name, out in done.process_output().items():
                 outputs[name].append(out)
             # Committed through done_starts: each request's slots end at its token's block.
-            assert table.end[rows].tolist() == [t // B + 1 for t in done_starts]
-            assert (table.end[rows] - table.base[rows]).max() <= 2
+            assert table.rings.end[rows].tolist() == [t // B + 1 for t in done_starts]
+            assert (table.rings.end[rows] - table.rings.base[rows]).max() <= 2
     for name, out in in_flight.pop()[0].process_output().items():
         outputs[name].append(out)
     assert fresh_launches == [True] + [False] * 40

@@ -18,7 +18,7 @@ from bench import stand_ins
 from bench.host_step_families import FAMILIES
 from bench.host_step_replay import CALLS, KINDS, replay, step_kinds
 from bench.stand_ins import FreeParts, KernelStandIn, SnapshotStandIn, kernel_binding
-from r3capture.aux_output import request_book, worker
+from r3capture.aux_output import step_launcher, worker
 from sim import make_trace, run_trace, vllm_scheduler
 from sim.recording import PREPARE, Recording, record_trace
 
@@ -304,7 +304,7 @@ def test_free_parts_take_their_whole_time_out_of_the_calls(monkeypatch):
     slow_ns = 5_000_000
     slowed = [
         (worker, "checked_emit_starts"),
-        (request_book, "checked_batch_arrays"),
+        (step_launcher, "checked_batch_arrays"),
         (worker, "check_host_counts"),
     ]
     for owner, attr in slowed:
