@@ -21,10 +21,10 @@ from collections.abc import Iterable, Sequence
 import numpy as np
 
 from r3capture.aux_output.request_table import RequestTable
+from r3capture.aux_output.slot_rings import NO_SLOTS
 from r3capture.store import NO_KEY_OBJECTS, BlockStore, KeyObjects, join_key_objects
 
 _NO_ROWS = np.empty(0, np.int64)
-_NO_SLOTS = np.empty(0, np.int64)
 # Second form, for a few rows (a decode step publishes a block or two): a loop over them cuts
 # the output thread's total by a tenth at 1-8 decoding requests (host_ab).
 PER_ROW_MAX = 8
@@ -62,7 +62,7 @@ class Publisher:
             if finished_rows is None:
                 finished_rows = [table.index[request_id] for request_id in finished]
             release_keys = join_keys((release_keys, table.release_order(finished_rows)))
-        keys, slots = NO_KEY_OBJECTS, _NO_SLOTS
+        keys, slots = NO_KEY_OBJECTS, NO_SLOTS
         if 0 < len(rows) <= PER_ROW_MAX:
             keys, slots = self._take_ready_per_row(rows if type(rows) is list else rows.tolist())
         elif len(rows):
@@ -101,7 +101,7 @@ class Publisher:
                 key_parts.append(table.keys_of(row, base, base + ready))
                 slot_parts.append(table.rings.take_leading_row(row, ready))
         if not key_parts:
-            return NO_KEY_OBJECTS, _NO_SLOTS
+            return NO_KEY_OBJECTS, NO_SLOTS
         if len(key_parts) == 1:
             return key_parts[0], slot_parts[0]
         return join_key_objects(key_parts), np.concatenate(slot_parts)

@@ -21,9 +21,8 @@ from collections.abc import Callable
 
 import numpy as np
 
+from r3capture.aux_output.slot_rings import NO_SLOTS
 from r3capture.store import BlockStore
-
-_NO_SLOTS = np.empty(0, np.int64)
 
 
 class SlotQueue:
@@ -73,7 +72,7 @@ class SlotQueue:
         counts); returns those slots (int64), in the order its requests took them."""
         self._in_flight.pop(0)
         if not total:
-            return _NO_SLOTS  # most decode steps open no block
+            return NO_SLOTS  # most decode steps open no block
         first = self.committed % len(self._queue)
         end = first + total
         if end <= len(self._queue):

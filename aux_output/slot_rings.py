@@ -127,7 +127,7 @@ class SlotRings:
         done = (marked > 0) & (done_to >= ends)
         dropped = rows[done]
         if not dropped.size:
-            return dropped, _NO_SLOTS
+            return dropped, NO_SLOTS
         self.partial[dropped] = 0
         self.num_partial -= len(dropped)
         return dropped, self.take_leading(dropped, np.ones(len(dropped), np.int64))
@@ -182,7 +182,8 @@ class SlotRings:
         return slots * block_size + positions % block_size
 
 
-_NO_SLOTS = np.empty(0, np.int64)
+# No slots: what a call that hands none over returns (shared; never written).
+NO_SLOTS = np.empty(0, np.int64)
 
 
 def _ring_overflow(needed: int, width: int) -> OverflowError:

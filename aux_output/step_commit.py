@@ -24,6 +24,7 @@ import numpy as np
 
 from r3capture.aux_output.errors import AuxOutputProtocolError
 from r3capture.aux_output.request_table import RequestTable
+from r3capture.aux_output.slot_rings import NO_SLOTS
 
 _CHECKS = (
     "auxiliary output request token count must be positive",
@@ -265,9 +266,6 @@ def check_not_overwritten(
             )
 
 
-_NO_SLOTS = np.empty(0, np.int64)
-
-
 def give_new_slots(
     table: RequestTable,
     rows: np.ndarray,
@@ -286,7 +284,7 @@ def give_new_slots(
     failed took, since its launch wrote no ring entry for them (a request sharing its index
     takes them all the same)."""
     taken = step_info[:, 3]
-    unplaced_slots = _NO_SLOTS
+    unplaced_slots = NO_SLOTS
     if placed_only:
         failed = step_info[:, 2] != 0
         if failed.any():
