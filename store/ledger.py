@@ -41,6 +41,8 @@ from r3capture.store.keys import key_object_string, rows_of_key_objects
 from r3capture.store.slot_pool import SlotPool
 
 PENDING = -2  # a batch key counted as stored, whose slot comes after eviction
+_NO_POSITIONS = np.empty(0, np.int64)
+_NO_POSITIONS.flags.writeable = False
 
 
 @dataclass
@@ -84,6 +86,10 @@ class Ledger:
         just before this one would: one of them that is stored and unreferenced is then
         held, not replaced. Raises ``KeyError`` (nothing changed) if a key is released more
         often than it is held."""
+        if released and not keys and not retained_first:
+            retained, released = self._cancel(retained, released)
+            if not released and not retained:
+                return Admission([], _NO_POSITIONS)
         slots, lru, refs = self._slots, self._lru, self._refs
         distinct = True
         if released:
@@ -114,11 +120,30 @@ class Ledger:
             if evicted:
                 pending = [key for key in pending if key not in evicted]
         if not pending:
-            return Admission([], np.empty(0, np.int64))
+            return Admission([], _NO_POSITIONS)
         if len(pending) == len(keys):
             return Admission(pending, np.arange(len(keys), dtype=np.int64))
         last = dict(zip(keys, range(len(keys))))
         return Admission(pending, np.fromiter(map(last.__getitem__, pending), np.int64))
+
+    def _cancel(
+        self, retained: Sequence[bytes], released: Sequence[bytes]
+    ) -> tuple[Sequence[bytes], Sequence[bytes]]:
+        """The retains and releases left once each release that a retain of the same key
+        cancels is dropped with that retain: when the releases are distinct keys, each held
+        already and each retained once in the call, they change nothing and only the other
+        retains remain. A finishing request's blocks, which the scheduler pins as the request
+        lets them go, come as such a call; two set builds replace the general path's ~20
+        passes over its keys (at a few hundred keys, most of a step's output thread)."""
+        distinct = set(released)
+        if len(distinct) != len(released) or not self._refs.keys() >= distinct:
+            return retained, released
+        retaining = set(retained)
+        if len(retaining) != len(retained) or not retaining >= distinct:
+            return retained, released
+        if len(retaining) == len(distinct):
+            return (), ()
+        return [key for key in retained if key not in distinct], ()
 
     def assign(self, keys: list[bytes], slots: list[int]) -> None:
         """Give admitted keys their slots."""

@@ -16,6 +16,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from r3capture.store import BlockStore
+from r3capture.store.keys import as_key_objects
 
 vllm_store = pytest.importorskip(
     "vllm.distributed.aux_output_connector.store",
@@ -139,3 +140,61 @@ def test_bad_sizes_raise_value_error_in_both(max_bytes, object_nbytes):
         vllm_store.BlockObjectStore(max_bytes=max_bytes, object_nbytes=object_nbytes)
     with pytest.raises(ValueError):
         BlockStore(max_bytes=max_bytes, object_nbytes=object_nbytes)
+
+
+@settings(
+    max_examples=200,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture],
+)
+@given(data=st.data(), capacity=st.integers(1, 4))
+def test_retains_cancelled_by_releases_match_vllm(data, capacity):
+    """A put of no objects that retains and releases the same keys (the scheduler pinning a
+    finishing request's blocks as the request lets them go): nothing changes when each key is
+    distinct and held, and everything else (unheld, stored or not, repeated, a different
+    set) takes the general path; both must match vLLM."""
+    theirs = vllm_store.BlockObjectStore(max_bytes=capacity * NB, object_nbytes=NB)
+    ours = BlockStore(max_bytes=capacity * NB, object_nbytes=NB)
+    stamps = itertools.count(1)
+    for _ in range(data.draw(st.integers(1, 12), label="steps")):
+        keys = data.draw(st.lists(st.sampled_from(KEYS), max_size=4), label="keys")
+        payloads = [struct.pack("<I", next(stamps)) for _ in keys]
+        retains = data.draw(st.lists(st.sampled_from(KEYS), max_size=4), label="retains")
+        refs = {"retain_keys": retains, "release_keys": draw_releases(data, ours, retains)}
+        got = outcome(ours.put, list(zip(keys, payloads)), **refs)
+        want = outcome(theirs.put, [vllm_store.BlockObject(k, p) for k, p in zip(keys, payloads)],
+                       **refs)  # fmt: skip
+        assert got == want
+        if want[1] is not None:
+            return
+        held = [key for key in KEYS if ours.ref_count(key)]
+        pins = data.draw(st.lists(st.sampled_from(held or KEYS), max_size=4), label="pins")
+        if data.draw(st.booleans(), label="one unheld or stored-only key?"):
+            pins.append(data.draw(st.sampled_from(KEYS), label="extra"))
+        order = data.draw(st.permutations(pins), label="release order")
+        extra = data.draw(st.lists(st.sampled_from(KEYS), max_size=2), label="retained only")
+        refs = {"retain_keys": pins + extra, "release_keys": list(order)}
+        got, want = outcome(ours.put, [], **refs), outcome(theirs.put, [], **refs)
+        assert got == want
+        if want[1] is not None:
+            return
+        assert our_view(ours) == vllm_view(theirs)
+
+
+def test_releases_cancel_their_retains_only_when_that_changes_nothing():
+    store = BlockStore(max_bytes=4 * NB, object_nbytes=NB)
+    a, b, c = KEYS[:3]
+    store.put([(a, b"aaaa"), (b, b"bbbb"), (c, b"cccc")], retain_keys=[a, b])
+    ledger = store._ledger
+    objects = dict(zip((a, b, c), as_key_objects([a, b, c])))
+    ka, kb, kc = (objects[key] for key in (a, b, c))
+    assert ledger._cancel([ka, kb], [kb, ka]) == ((), ())
+    assert ledger._cancel([kc, ka, kb], [kb, ka]) == ([kc], ())  # c retained only
+    for retains, releases in (
+        ([ka, kc], [kc, ka]),  # c is not held
+        ([ka, ka], [ka, ka]),  # repeated
+        ([ka, kb, kb], [ka, kb]),  # a retain repeated
+        ([ka, kb], [ka, kc]),  # another key released
+        ([ka], [ka, kb]),  # b released without a retain in the call
+    ):
+        assert ledger._cancel(retains, releases) == (retains, releases)
