@@ -47,7 +47,6 @@ _KNOB_HOMES = {
     "REATTACH_TOKENS": "r3capture.aux_output.sizing",
     "PER_REQUEST_MAX": "r3capture.aux_output.small_step",
     "PER_ROW_MAX": "r3capture.aux_output.publisher",
-    "HASHES_PER_OBJECT_MAX": "r3capture.store.keys",
     "EMIT_LIST_MAX": "r3capture.aux_output.call_checks",
     "REMOVE_PER_ROW_MAX": "r3capture.aux_output.request_table",
 }
@@ -111,8 +110,8 @@ def draw_case(seed: int) -> SweepCase:
     knobs["PER_ROW_MAX"] = r.choice([0, 1, 8, 1000])
     # Drawn after that for the same reason: half the seeds reshaped as RL rollouts.
     rollout = r.choice([None, None, *ROLLOUTS])
-    # And after that: the key objects' bytes form (0: through key rows only).
-    knobs["HASHES_PER_OBJECT_MAX"] = r.choice([0, 1, 32, 1000])
+    # A retired knob's draw (the key objects' second form), kept so later draws stay.
+    r.choice([0, 1, 32, 1000])
     # And after that: the emit starts' Python-int form (0: always the array).
     knobs["EMIT_LIST_MAX"] = r.choice([0, 1, 32, 1000])
     # And after that: the request table's per-row removal (0: always the vector form).

@@ -7,9 +7,15 @@ from unittest import mock
 
 import pytest
 
-from r3capture.aux_output import call_checks, request_book, request_table, sizing, small_step
+from r3capture.aux_output import (
+    call_checks,
+    publisher,
+    request_book,
+    request_table,
+    sizing,
+    small_step,
+)
 from r3capture.aux_output.types import AuxRequestOutput
-from r3capture.store import keys
 from sim.sweep import VLLM_WRONG, draw_case, main, patched_knobs, run_case
 from sim.trace import ROLLOUTS, random_trace
 
@@ -30,7 +36,6 @@ def test_a_seed_draws_the_same_case_every_time_and_only_cases_the_worker_support
     # Every alternative is drawn: both sides of each threshold, both destinations.
     assert {case.knobs["PER_REQUEST_MAX"] for case in cases} >= {0, 1000}
     assert {case.knobs["PER_ROW_MAX"] for case in cases} >= {0, 1000}
-    assert {case.knobs["HASHES_PER_OBJECT_MAX"] for case in cases} >= {0, 1000}
     assert {case.knobs["EMIT_LIST_MAX"] for case in cases} >= {0, 1000}
     assert {case.knobs["REMOVE_PER_ROW_MAX"] for case in cases} >= {0, 1000}
     assert {case.knobs["REATTACH_TOKENS"] for case in cases} >= {0, 256}
@@ -40,16 +45,16 @@ def test_a_seed_draws_the_same_case_every_time_and_only_cases_the_worker_support
 
 
 def test_knobs_are_patched_only_for_the_run():
-    knobs = {"REATTACH_TOKENS": 3, "PER_REQUEST_MAX": 0, "HASHES_PER_OBJECT_MAX": 0}
+    knobs = {"REATTACH_TOKENS": 3, "PER_REQUEST_MAX": 0, "PER_ROW_MAX": 0}
     with patched_knobs({**knobs, "EMIT_LIST_MAX": 0, "REMOVE_PER_ROW_MAX": 0}):
         assert request_table.REMOVE_PER_ROW_MAX == 0
         assert sizing.REATTACH_TOKENS == 3
         assert small_step.PER_REQUEST_MAX == 0
-        assert keys.HASHES_PER_OBJECT_MAX == 0
+        assert publisher.PER_ROW_MAX == 0
         assert call_checks.EMIT_LIST_MAX == 0
     assert sizing.REATTACH_TOKENS == 256
     assert small_step.PER_REQUEST_MAX == 32
-    assert keys.HASHES_PER_OBJECT_MAX == 32
+    assert publisher.PER_ROW_MAX == 8
     assert call_checks.EMIT_LIST_MAX == 32
     assert request_table.REMOVE_PER_ROW_MAX == 8
 
