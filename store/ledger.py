@@ -50,7 +50,9 @@ class Admission:
     """Batch keys that need a slot, in first-occurrence order."""
 
     keys: list[bytes]
-    positions: np.ndarray  # int64 [m] batch position of each one's payload (last occurrence)
+    # int64 [m] batch position of each one's payload (last occurrence); None when every batch
+    # key is admitted, in batch order (the common case, which then needs no array).
+    positions: np.ndarray | None
 
 
 class Ledger:
@@ -122,7 +124,7 @@ class Ledger:
         if not pending:
             return Admission([], _NO_POSITIONS)
         if len(pending) == len(keys):
-            return Admission(pending, np.arange(len(keys), dtype=np.int64))
+            return Admission(pending, None)
         last = dict(zip(keys, range(len(keys))))
         return Admission(pending, np.fromiter(map(last.__getitem__, pending), np.int64))
 
