@@ -88,9 +88,9 @@ class Ledger:
         just before this one would: one of them that is stored and unreferenced is then
         held, not replaced. Raises ``KeyError`` (nothing changed) if a key is released more
         often than it is held."""
-        if released and not keys and not retained_first:
+        if retained and released:
             retained, released = self._cancel(retained, released)
-            if not released and not retained:
+            if not (keys or retained_first or retained or released):
                 return Admission([], _NO_POSITIONS)
         slots, lru, refs = self._slots, self._lru, self._refs
         distinct = True
@@ -131,21 +131,28 @@ class Ledger:
     def _cancel(
         self, retained: Sequence[bytes], released: Sequence[bytes]
     ) -> tuple[Sequence[bytes], Sequence[bytes]]:
-        """The retains and releases left once each release that a retain of the same key
-        cancels is dropped with that retain: when the releases are distinct keys, each held
-        already and each retained once in the call, they change nothing and only the other
-        retains remain. A finishing request's blocks, which the scheduler pins as the request
-        lets them go, come as such a call; two set builds replace the general path's ~20
-        passes over its keys (at a few hundred keys, most of a step's output thread)."""
-        distinct = set(released)
-        if len(distinct) != len(released) or not self._refs.keys() >= distinct:
+        """The retains and releases left once every key both retained and released in the
+        call is dropped from both, where that changes nothing: each list distinct, and each
+        such key held already, so its count goes up and back down, never reaching zero, and
+        it is in no recency order before or after. A finishing request's blocks, which the
+        scheduler pins as the request lets them go, come as such a call; a few set
+        operations replace the general path's ~20 passes over its keys (at a few hundred
+        keys, most of a step's output thread)."""
+        retaining, releasing = set(retained), set(released)
+        if len(retaining) != len(retained) or len(releasing) != len(released):
             return retained, released
-        retaining = set(retained)
-        if len(retaining) != len(retained) or not retaining >= distinct:
+        both = retaining & releasing
+        if not both or not self._refs.keys() >= both:
             return retained, released
-        if len(retaining) == len(distinct):
-            return (), ()
-        return [key for key in retained if key not in distinct], ()
+        if len(both) < len(retaining):
+            retained = [key for key in retained if key not in both]
+        else:
+            retained = ()
+        if len(both) < len(releasing):
+            released = [key for key in released if key not in both]
+        else:
+            released = ()
+        return retained, released
 
     def assign(self, keys: list[bytes], slots: list[int]) -> None:
         """Give admitted keys their slots."""

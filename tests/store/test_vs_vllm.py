@@ -173,8 +173,13 @@ def test_retains_cancelled_by_releases_match_vllm(data, capacity):
             pins.append(data.draw(st.sampled_from(KEYS), label="extra"))
         order = data.draw(st.permutations(pins), label="release order")
         extra = data.draw(st.lists(st.sampled_from(KEYS), max_size=2), label="retained only")
-        refs = {"retain_keys": pins + extra, "release_keys": list(order)}
-        got, want = outcome(ours.put, [], **refs), outcome(theirs.put, [], **refs)
+        let_go = data.draw(st.lists(st.sampled_from(held or KEYS), max_size=2), label="let go")
+        refs = {"retain_keys": pins + extra, "release_keys": [*order, *let_go]}
+        keys = data.draw(st.lists(st.sampled_from(KEYS), max_size=2), label="keys with them")
+        payloads = [struct.pack("<I", next(stamps)) for _ in keys]
+        got = outcome(ours.put, list(zip(keys, payloads)), **refs)
+        want = outcome(theirs.put, [vllm_store.BlockObject(k, p) for k, p in zip(keys, payloads)],
+                       **refs)  # fmt: skip
         assert got == want
         if want[1] is not None:
             return
@@ -190,11 +195,12 @@ def test_releases_cancel_their_retains_only_when_that_changes_nothing():
     ka, kb, kc = (objects[key] for key in (a, b, c))
     assert ledger._cancel([ka, kb], [kb, ka]) == ((), ())
     assert ledger._cancel([kc, ka, kb], [kb, ka]) == ([kc], ())  # c retained only
+    assert ledger._cancel([ka], [kb, ka]) == ((), [kb])  # b released only
     for retains, releases in (
-        ([ka, kc], [kc, ka]),  # c is not held
+        ([ka, kc], [kc, ka]),  # c is not held: its release makes it unreferenced
         ([ka, ka], [ka, ka]),  # repeated
         ([ka, kb, kb], [ka, kb]),  # a retain repeated
-        ([ka, kb], [ka, kc]),  # another key released
-        ([ka], [ka, kb]),  # b released without a retain in the call
+        ([kb], [ka, ka]),  # a release repeated
+        ([ka], [kb]),  # nothing in common
     ):
         assert ledger._cancel(retains, releases) == (retains, releases)
