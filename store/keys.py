@@ -168,9 +168,9 @@ def key_objects_of_hashes(generation: int, data: bytes, item_size: int) -> KeyOb
     concatenated hashes in ``data``, in order.
 
     One bytes concatenation per key. Key work runs once a step on a cold cache, where this
-    beats the rows' dozen numpy calls (1-200 hashes: 13-18 against 40-80 us in the replay)
-    and a split and join through ``struct`` (21-25 us for a decode step's one hash); the
-    numpy rows win only warm, beyond a few hundred hashes, on steps that take milliseconds."""
+    beats the rows' dozen numpy calls (up to a few hundred hashes, several times over) and
+    a split and join through ``struct`` (a decode step's one or two hashes); the numpy rows
+    win only warm, beyond a few hundred hashes, on steps that take milliseconds."""
     generation = _check_generation(generation)
     item_size = _check_item_size(item_size)
     if len(data) % item_size:
