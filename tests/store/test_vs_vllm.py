@@ -80,13 +80,17 @@ def outcome(fn, *args, **kwargs):
         return None, type(error).__name__
 
 
-@settings(
-    max_examples=300,
+# Both differential tests: slow examples are expected, and the fixture only silences a
+# logger, so it needs no reset between examples.
+DIFFERENTIAL = settings(
     deadline=None,
-    # the fixture only silences a logger; it needs no reset between examples
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture],
 )
-@given(data=st.data(), capacity=st.integers(1, 4))
+STORES = given(data=st.data(), capacity=st.integers(1, 4))
+
+
+@settings(DIFFERENTIAL, max_examples=300)
+@STORES
 def test_same_behaviour_as_vllm(data, capacity):
     theirs = vllm_store.BlockObjectStore(max_bytes=capacity * NB, object_nbytes=NB)
     ours = BlockStore(max_bytes=capacity * NB, object_nbytes=NB)
@@ -142,12 +146,8 @@ def test_bad_sizes_raise_value_error_in_both(max_bytes, object_nbytes):
         BlockStore(max_bytes=max_bytes, object_nbytes=object_nbytes)
 
 
-@settings(
-    max_examples=200,
-    deadline=None,
-    suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture],
-)
-@given(data=st.data(), capacity=st.integers(1, 4))
+@settings(DIFFERENTIAL, max_examples=200)
+@STORES
 def test_retains_cancelled_by_releases_match_vllm(data, capacity):
     """A put of no objects that retains and releases the same keys (the scheduler pinning a
     finishing request's blocks as the request lets them go): nothing changes when each key is
