@@ -44,9 +44,9 @@ Lifecycle of a block::
 Every method validates its arguments before it changes anything (recency included).
 
 Layout: ``Ledger`` (keys -> slots, references, least-recently-used order and vLLM's
-publication rules), ``SlotPool`` (free and unbound slots). Every side table holds only keys that
-have a slot or a reference: the arena bounds the first, the scheduler's KV-cache blocks bound
-the second.
+publication rules), ``SlotSpace`` (the arena, its free and unbound slots, and their growth).
+Every side table holds only keys that have a slot or a reference: the arena bounds the
+first, the scheduler's KV-cache blocks bound the second.
 
 Thread safety: none. The store has a single owner; the worker connector serialises every call
 under its own lock. The store is synchronous: array copies are cheap, so there is no background
@@ -55,7 +55,6 @@ writer thread.
 
 from __future__ import annotations
 
-import logging
 import numbers
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
@@ -63,7 +62,6 @@ from typing import Any
 import numpy as np
 import torch
 
-from r3capture.store.arena import Arena
 from r3capture.store.keys import (
     KEY_WORDS,
     NO_KEY_OBJECTS,
@@ -75,9 +73,7 @@ from r3capture.store.keys import (
     key_string,
 )
 from r3capture.store.ledger import Admission, Ledger
-from r3capture.store.slot_pool import SlotPool
-
-logger = logging.getLogger(__name__)
+from r3capture.store.slot_space import SlotSpace
 
 _UINT8 = np.dtype(np.uint8)
 Keys = KeyObjects | np.ndarray | Iterable[str]
@@ -115,20 +111,6 @@ def _checked_sizes(
     return object_nbytes, max_bytes // object_nbytes, reserve_slots
 
 
-def _warn_growth(old: int, new: int, object_nbytes: int, cause: str, *, reserve: bool) -> None:
-    """Log that the store's objects (or, with ``reserve``, its producer reserve) grow from
-    ``old`` to ``new`` slots of ``object_nbytes``, and why."""
-    logger.warning(
-        "auxiliary output store %sgrows from %d to %d %s (%d bytes): %s",
-        "reserve " if reserve else "",
-        old,
-        new,
-        "slots" if reserve else "objects",
-        new * object_nbytes,
-        cause,
-    )
-
-
 class BlockStore:
     """Bounded store of fixed-size blocks in one arena of slots.
 
@@ -141,12 +123,6 @@ class BlockStore:
             otherwise a no-op, logged once).
         on_grow: called before the arena is replaced on growth (e.g. to wait for in-flight
             device writes into the old arena).
-
-    Attributes:
-        arena: ``torch.uint8 [num_slots + reserve_slots, object_nbytes]`` CPU tensor.
-        arena_np: numpy view of ``arena``. Both are replaced when the store grows.
-        arena_version: incremented every time ``arena`` is replaced.
-        num_slots: capacity for bound blocks (keys); grows when every key is referenced.
     """
 
     def __init__(
@@ -158,15 +134,15 @@ class BlockStore:
         pin_memory: bool = False,
         on_grow: Callable[[], None] | None = None,
     ) -> None:
-        self.object_nbytes, self.num_slots, self.reserve_slots = _checked_sizes(
+        self.object_nbytes, num_slots, reserve_slots = _checked_sizes(
             max_bytes, object_nbytes, reserve_slots
         )
-        physical = self.num_slots + reserve_slots
-        self._space: Arena | None = Arena(
-            physical, object_nbytes, pin_memory=pin_memory, on_grow=on_grow
+        self._room: SlotSpace | None = SlotSpace(
+            num_slots, reserve_slots, object_nbytes, pin_memory=pin_memory, on_grow=on_grow
         )
-        self._pool = SlotPool(physical)
-        self._ledger = Ledger(self.num_slots, self._pool)
+        self._arena = self._room.arena
+        self._pool = self._room.pool
+        self._ledger = Ledger(num_slots, self._pool)
 
     def put(
         self,
@@ -223,7 +199,7 @@ class BlockStore:
             blocks = as_blocks(out, len(keys), self.object_nbytes, name="out", writable=True)
         slots = self._slots_of(keys, touch=True)
         if blocks is None:
-            return self._space.np[slots]
+            return self._arena.np[slots]
         self.gather_into(slots, blocks)
         return blocks
 
@@ -232,7 +208,7 @@ class BlockStore:
         C-contiguous). No bookkeeping: callers pass slots they looked up."""
         self._check_open()
         check_writable(out, "out")
-        self._space.gather(slots, out)
+        self._arena.gather(slots, out)
 
     def lookup_slots(self, keys: Keys, *, held: bool = False) -> np.ndarray:
         """Slots of ``keys`` as ``int64 [len(keys)]``; refreshes their recency like a read.
@@ -253,13 +229,7 @@ class BlockStore:
         n = _check_int("n", n)
         if n < 0:
             raise ValueError(f"n must be >= 0, got {n}")
-        if self._pool.num_unbound + n > self.reserve_slots:
-            raise RuntimeError(
-                f"allocate({n}): the producer reserve of reserve_slots={self.reserve_slots} "
-                f"slots is exhausted ({self._pool.num_unbound} unbound); bind or free slots "
-                "first or raise reserve_slots"
-            )
-        return self._pool.allocate(n)
+        return self._room.allocate(n)
 
     def bind(
         self,
@@ -305,20 +275,35 @@ class BlockStore:
         self._pool.push(given)
 
     @property
-    def arena(self) -> torch.Tensor:
+    def num_slots(self) -> int:
+        """Capacity for bound blocks (keys); grows when every key is referenced."""
         self._check_open()
-        return self._space.tensor
+        return self._room.num_slots
+
+    @property
+    def reserve_slots(self) -> int:
+        """Physical slots for a producer's unbound blocks (``grow_reserve`` adds more)."""
+        self._check_open()
+        return self._room.reserve_slots
+
+    @property
+    def arena(self) -> torch.Tensor:
+        """``torch.uint8 [num_slots + reserve_slots, object_nbytes]`` CPU tensor, replaced
+        when the store grows."""
+        self._check_open()
+        return self._arena.tensor
 
     @property
     def arena_np(self) -> np.ndarray:
+        """numpy view of ``arena``, replaced with it."""
         self._check_open()
-        return self._space.np
+        return self._arena.np
 
     @property
     def arena_version(self) -> int:
         """Incremented every time ``arena`` is replaced."""
         self._check_open()
-        return self._space.version
+        return self._arena.version
 
     @property
     def num_unbound(self) -> int:
@@ -361,14 +346,12 @@ class BlockStore:
 
     def close(self) -> None:
         """Release the arena. Idempotent; every later call raises ``RuntimeError``."""
-        if self._space is None:
+        if self._arena is None:
             return
-        self._space = None
-        self._ledger = None
-        self._pool = None
+        self._room = self._arena = self._ledger = self._pool = None
 
     def _check_open(self) -> None:
-        if self._space is None:
+        if self._arena is None:
             raise RuntimeError("auxiliary output store is closed")
 
     def _slots_of(self, keys: KeyObjects, *, touch: bool) -> np.ndarray:
@@ -390,7 +373,7 @@ class BlockStore:
             blocks = blocks[admitted.positions]
         slots = self._pool.take(m).tolist()
         self._ledger.assign(admitted.keys, slots)
-        self._space.write(slots, blocks)
+        self._arena.write(slots, blocks)
 
     def _admit(
         self,
@@ -406,8 +389,8 @@ class BlockStore:
         first = as_key_objects(retain_first_keys, name="retain_first_keys")
         ledger = self._ledger
         admitted = ledger.admit(keys, retains, releases, first)
-        if ledger.num_stored > self.num_slots:
-            self._grow(max(ledger.num_stored, 2 * self.num_slots))
+        if ledger.num_stored > ledger.num_slots:
+            self._grow(max(ledger.num_stored, 2 * ledger.num_slots))
         return admitted
 
     def grow_reserve(self, extra: int) -> None:
@@ -419,37 +402,17 @@ class BlockStore:
         extra = _check_int("extra", extra)
         if extra <= 0:
             raise ValueError(f"extra must be > 0, got {extra}")
-        _warn_growth(
-            self.reserve_slots,
-            self.reserve_slots + extra,
-            self.object_nbytes,
-            "the producer holds more unbound slots than it was sized for",
-            reserve=True,
-        )
-        self._replace_arena(self.num_slots, self.reserve_slots + extra)
+        self._room.grow_reserve(extra)
 
     def _grow(self, num_slots: int) -> None:
-        _warn_growth(
-            self.num_slots,
-            num_slots,
-            self.object_nbytes,
-            "every object is referenced",
-            reserve=False,
-        )
         try:
-            self._replace_arena(num_slots, self.reserve_slots)
+            self._room.grow_keys(num_slots)
         except BaseException:
             # The bookkeeping already counts the new keys; without room for them the store
             # would hand out wrong bytes, so it fails closed.
             self.close()
             raise
         self._ledger.num_slots = num_slots
-
-    def _replace_arena(self, num_slots: int, reserve_slots: int) -> None:
-        """A larger arena of ``num_slots + reserve_slots`` slots, every slot's bytes kept."""
-        self._space.grow(num_slots + reserve_slots)
-        self.num_slots, self.reserve_slots = num_slots, reserve_slots
-        self._pool.grow(num_slots + reserve_slots)
 
 
 def key_object(key: object) -> bytes:

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 import r3capture.store.arena as arena_module
-import r3capture.store.block_store as block_store
+import r3capture.store.slot_space as slot_space
 from r3capture.store import BlockObjectStoreError, BlockStore, key_rows_from_strings
 
 NB = 4  # object_nbytes: small enough to spell payloads out
@@ -212,7 +212,7 @@ def test_growth_when_every_object_is_referenced(caplog):
     store = make(capacity=2, on_grow=lambda: calls.append((store.arena_version, store.arena)))
     put(store, "ab", retain="ab")
     old_arena = store.arena
-    with caplog.at_level(logging.WARNING, logger=block_store.__name__):
+    with caplog.at_level(logging.WARNING, logger=slot_space.__name__):
         put(store, "c")
     assert calls == [(0, old_arena)]  # on_grow ran before the old arena was replaced
     assert store.arena_version == 1 and store.arena is not old_arena
@@ -582,7 +582,7 @@ def test_reserve_growth_calls_on_grow_and_keeps_every_slot(caplog):
         with pytest.raises(error, match="extra"):
             store.grow_reserve(bad)
     assert events == [] and store.arena_version == 0  # refused calls changed nothing
-    with caplog.at_level(logging.WARNING, logger=block_store.__name__):
+    with caplog.at_level(logging.WARNING, logger=slot_space.__name__):
         store.grow_reserve(3)
     messages = [r.getMessage() for r in caplog.records]
     assert any("reserve grows from 2 to 5 slots (20 bytes)" in m for m in messages), messages
