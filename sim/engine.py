@@ -25,7 +25,8 @@ passed to the worker carries the scheduler's ``num_computed_tokens_np`` and the 
 Every finished request's concatenated ``take_output`` rows are checked against the routing
 oracle's rows of its final token sequence (``SimResult.check_ground_truth``).
 
-Layout: ``scheduling.SimScheduler`` (queues, KV cache, the scheduler connector),
+Layout: ``scheduling.SimScheduler`` (queues, KV cache, the scheduler connector; waiting
+requests enter through ``admission.WaitingAdmission``),
 ``model_runner.SimModelRunner`` (the GPU side and the worker connector's calls),
 ``records`` (what they share), and ``SimEngine`` here, which steps the two in vLLM's order.
 """

@@ -17,17 +17,9 @@ from typing import Any
 
 import numpy as np
 
+from sim.admission import WaitingAdmission
 from sim.kv import KVCacheDouble
-from sim.records import (
-    FINISHED_STOPPED,
-    LOADING,
-    RUNNING,
-    WAITING,
-    InFlight,
-    Scheduled,
-    SimRequest,
-    SimResult,
-)
+from sim.records import FINISHED_STOPPED, RUNNING, InFlight, Scheduled, SimRequest, SimResult
 from sim.request_queues import RequestQueues
 from sim.trace import Trace
 
@@ -66,10 +58,10 @@ class SimScheduler:
         self.is_async = self.cfg.max_concurrent_batches > 1
         self.record_metas = record_metas
         self.queues = RequestQueues(trace, kv, aux, result)
+        self.admission = WaitingAdmission(self.cfg, kv, aux, self.queues, self.stats)
         # The queues' own containers (mutated in place, never rebound).
         self.requests = self.queues.requests
         self.running = self.queues.running
-        self.waiting = self.queues.waiting
         self.step_index = 0
         # The last step whose output was processed (in-flight prefix-hit statistics).
         self.processed_step = -1
@@ -151,114 +143,15 @@ class SimScheduler:
                     spec[req_id] = min(len(request.spec_token_ids), drafts)
                 request.spec_token_ids = []
 
-        # Requests whose KV load holds blocks go first (vLLM keeps them in a separate
-        # queue); otherwise a blocked head of the queue could starve them forever.
-        self.waiting.sort(key=lambda r: r.request_id not in kv.req_blocks)
-        index = 0
-        while (
-            not preempted
-            and index < len(self.waiting)
-            and budget > 0
-            and len(self.running) < cfg.max_num_seqs
-        ):
-            request = self.waiting[index]
-            if request.status == LOADING:
-                if self.step_index < request.load_ready_step:
-                    index += 1
-                    continue
-                kv.cache_blocks(request, request.num_computed_tokens)
-                if request.num_computed_tokens == request.num_tokens:
-                    # As vLLM 0.33.0's _update_waiting_for_remote_kv: a load that covered
-                    # every token (cached above, last block included) leaves the last one
-                    # to compute, so the next token can be sampled.
-                    request.num_computed_tokens -= 1
-                    self.stats.whole_prompt_loads += 1
-                request.status = WAITING
-            if request.num_stale_output_tokens and not request.drop_stale_output:
-                # As vLLM 0.33.0: a preempted request resumes only once the output it still
-                # has in flight is delivered, which could fill a position it would resample.
-                index += 1
-                continue
-            hit_blocks: list[Any] = []
-            local = external = 0
-            if request.num_computed_tokens == 0:
-                max_hit = self.aux.max_cache_hit(request) if cfg.cap_hits else None
-                hit_blocks, local = kv.get_computed_blocks(request, max_hit)
-                if kv.offload is not None or cfg.remote_prefill:
-                    remote = request.remote_prefill_hit(local, sync=not cfg.async_kv_load)
-                    found = max(kv.external_hit(request, local), remote)
-                    external = found
-                    if cfg.cap_hits:
-                        external = self.aux.cap_external_hit(request, local, found)
-                        if external < found:
-                            self.stats.external_hits_capped += 1
-                    if remote and external:
-                        self.stats.remote_hits += 1
-                        self.stats.remote_hits_unaligned += bool(external % kv.block_size)
-                        self.stats.whole_prompt_hits_sync += (
-                            not cfg.async_kv_load
-                            and request.spec.remote_prefill == request.num_prompt_tokens
-                        )
-                    if cfg.async_kv_load and external > 0:
-                        # Reserve the rest of the request too: loads that each hold part
-                        # of their blocks could otherwise wait on each other forever.
-                        rest = request.num_tokens - local - external + k
-                        if not kv.allocate_slots(
-                            request,
-                            0,
-                            num_new_computed_tokens=local,
-                            new_computed_blocks=hit_blocks,
-                            num_external_computed_tokens=external,
-                            num_lookahead_tokens=rest,
-                            delay_cache_blocks=True,
-                        ):
-                            break
-                        request.num_computed_tokens = local + external
-                        request.remote_prefill_scheduled()
-                        self.aux.request_loading(request, request.num_computed_tokens)
-                        request.status = LOADING
-                        request.load_ready_step = self.step_index + request.spec.load_steps
-                        self.stats.async_loads += 1
-                        self.stats.prefix_hit_tokens += local
-                        self.stats.external_hit_tokens += external
-                        index += 1
-                        continue
-            computed = request.num_computed_tokens + local + external
-            n = request.num_tokens - computed
-            # vLLM 0.33.0's schedule() asserts this too: a synchronous hit must leave a token.
-            assert n > 0, f"{request.request_id}: a synchronous hit covers every token"
-            if cfg.long_prefill_token_threshold:
-                n = min(n, cfg.long_prefill_token_threshold)
-            n = min(n, budget)
-            if not kv.allocate_slots(
-                request,
-                n,
-                num_new_computed_tokens=local,
-                new_computed_blocks=hit_blocks,
-                num_external_computed_tokens=external,
-                num_lookahead_tokens=k,
-            ):
-                break
-            request.remote_prefill_scheduled()
-            del self.waiting[index]
-            self.stats.prefix_hit_tokens += local
-            for block in hit_blocks:
-                # Hits on blocks whose rows are still being computed: in this very step,
-                # or in a step whose output has not been processed yet.
-                if block.cached_at == self.step_index:
-                    self.stats.same_step_hit_blocks += 1
-                elif block.cached_at > self.processed_step:
-                    self.stats.in_flight_hit_blocks += 1
-            self.stats.external_hit_tokens += external
-            request.num_computed_tokens = computed
-            request.status = RUNNING
-            self.running.append(request)
-            req_id = request.request_id
-            computed_before[req_id] = computed
-            num_scheduled[req_id] = n
-            budget -= n
-            admitted[req_id] = (list(request.all_token_ids), computed)
-            request.first_computed = computed
+        if not preempted:
+            budget = self.admission.admit(
+                self.step_index,
+                self.processed_step,
+                budget,
+                num_scheduled,
+                computed_before,
+                admitted,
+            )
 
         meta = self.aux.build_connector_meta(
             SimpleNamespace(num_scheduled_tokens=num_scheduled, scheduled_spec_decode_tokens=spec),
