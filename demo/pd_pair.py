@@ -214,5 +214,6 @@ def main(argv: list[str] | None = None) -> int:
         shutil.rmtree(shared, ignore_errors=True)
     return {True: 0, False: 1, None: 130}[all_same]
 
+
 if __name__ == "__main__":
     sys.exit(main())
