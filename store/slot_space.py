@@ -23,7 +23,8 @@ logger = logging.getLogger(__name__)
 class SlotSpace:
     """``num_slots`` keyed and ``reserve_slots`` producer slots of ``object_nbytes`` each
     (ints, already checked): the ``arena`` that holds their bytes and the ``pool`` of free
-    and unbound slots. ``pin_memory``/``on_grow``: as ``Arena`` takes them."""
+    and unbound slots. Both grow in place and are never rebound, so an owner may keep
+    references to them. ``pin_memory``/``on_grow``: as ``Arena`` takes them."""
 
     def __init__(
         self,
