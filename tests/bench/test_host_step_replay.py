@@ -323,8 +323,10 @@ def test_free_parts_take_their_whole_time_out_of_the_calls(monkeypatch):
         assert (plain.calls[call, forward, 1] >= slow_ns).all(), CALLS[call]
     assert (plain.calls[enqueue, forward, 1] < slow_ns // 5).all()
     assert (plain.calls[process, forward, 1] >= 2 * slow_ns).all()
+    # Two slowed checks a step (10 ms) are out; what stays is the worker's own work, far
+    # below half of one even on a loaded VM (up to 1.1 ms a step seen there).
     main = free.calls[:3, :, 1].sum(axis=0)
-    assert (main < slow_ns // 5).all(), main.max()
+    assert (main < slow_ns // 2).all(), main.max()
     assert (free.calls[process, forward, 1] >= 2 * slow_ns).all()
     assert free.excluded_cpu_ns >= 2 * slow_ns * len(forward)
 
