@@ -4,11 +4,13 @@
 This benchmark times the real thing on a GPU, on the same trace families
 (``bench/host_step_families.py``, async depth 2):
 
-  r3capture-direct   the worker with the Triton kernel writing the pinned host arena:
-                     ``begin_step``, ``prepare_output`` (table and slot-ring uploads, the real
-                     launch) and ``enqueue_cpu_copy`` (copy of ``step_info``) on the main
-                     thread; ``process_output`` after the step's copy event
-  r3capture-staging  the same with device staging and one copy of the step's rows
+  r3capture-direct   the worker with the Triton kernel writing the pinned host arena and
+                     ``step_info``: ``begin_step``, ``prepare_output`` (the checks and the
+                     real launch; the kernel takes its own slots) and ``enqueue_cpu_copy``
+                     (no copy to start) on the main thread; ``process_output`` after the
+                     step's copy event
+  r3capture-staging  the same with device staging: ``enqueue_cpu_copy`` starts the copies
+                     of ``step_info`` and of the step's rows
   vllm-gpu-path      a torch-only rendering of vLLM 0.33.0's GPU path (vLLM is not on the GPU
                      machine), driven by the same simulator: ``prepare_output`` is the
                      snapshot cast of every scheduled row to the narrow dtype (a new device
